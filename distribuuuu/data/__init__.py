@@ -1,0 +1,115 @@
+"""Data sets, transforms, samplers and loaders, chosen by ``cfg.DATA.NAME``."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from yacs.config import CfgNode
+
+from distribuuuu.data import datasets as ds
+from distribuuuu.data.samplers import ExactShardSampler
+from distribuuuu.data.transforms import imagenet_transforms, small_image_transforms
+
+__all__ = ["build_dataset", "build_train_loader", "build_test_loader"]
+
+
+def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
+    """The train or validation data set named by ``cfg.DATA.NAME`` (resolved)."""
+    name = cfg.DATA.NAME
+    size = cfg.TRAIN.IM_SIZE
+    if name == "mnist5k":
+        images, labels = ds.load_mnist5k(train)
+        transform = small_image_transforms(
+            train, size, 28, ds.MNIST_MEAN, ds.MNIST_STD, flip=False
+        )
+        classes = [str(digit) for digit in range(10)]
+        return ds.TensorImageDataset(images, labels, classes, transform)
+    if name in ("cifar10", "cifar100"):
+        root = cfg.TRAIN.DATASET if train else cfg.TEST.DATASET
+        images, labels, classes = ds.load_cifar(name, root, train, cfg.DATA.DOWNLOAD)
+        mean, std = (
+            (ds.CIFAR10_MEAN, ds.CIFAR10_STD)
+            if name == "cifar10"
+            else (ds.CIFAR100_MEAN, ds.CIFAR100_STD)
+        )
+        transform = small_image_transforms(train, size, 32, mean, std, flip=True)
+        return ds.TensorImageDataset(images, labels, classes, transform)
+    if name == "imagefolder":
+        from torchvision.datasets import ImageFolder
+
+        section = cfg.TRAIN if train else cfg.TEST
+        transform = imagenet_transforms(
+            train, size, cfg.TEST.IM_SIZE, ds.IMAGENET_MEAN, ds.IMAGENET_STD
+        )
+        return ImageFolder(os.path.join(section.DATASET, section.SPLIT), transform)
+    if name == "synthetic":
+        count = cfg.DATA.SYNTHETIC_SIZE[0 if train else 1]
+        transform = small_image_transforms(
+            train, size, size, ds.IMAGENET_MEAN, ds.IMAGENET_STD, flip=True
+        )
+        seed = 0 if train else 1
+        return ds.SyntheticDataset(count, size, cfg.MODEL.NUM_CLASSES, seed, transform)
+    raise ValueError(f"unknown DATA.NAME {name!r}")
+
+
+def _seed_worker(worker_id: int) -> None:
+    # torch seeds each worker from the loader's generator; derive NumPy's and
+    # Python's seeds from it so that every library in the worker is seeded.
+    import random
+
+    import numpy as np
+
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _loader_kwargs(cfg: CfgNode, device: torch.device) -> dict:
+    workers = cfg.TRAIN.WORKERS
+    return {
+        "num_workers": workers,
+        "pin_memory": cfg.TRAIN.PIN_MEMORY and device.type == "cuda",
+        "persistent_workers": workers > 0,
+        "worker_init_fn": _seed_worker if workers > 0 else None,
+    }
+
+
+def build_train_loader(
+    cfg: CfgNode,
+    dataset: Dataset,
+    rank: int,
+    world_size: int,
+    seed: int,
+    device: torch.device,
+) -> DataLoader:
+    """Shuffled, sharded training loader; call ``sampler.set_epoch`` each epoch.
+
+    Each rank sees ``len(dataset) / world_size`` samples per epoch (padded by
+    DistributedSampler to divide evenly) and the last incomplete batch is
+    dropped, so every optimizer step has ``TRAIN.BATCH_SIZE`` samples per rank
+    (BatchNorm needs more than one sample per batch).
+    """
+    sampler = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed
+    )
+    return DataLoader(
+        dataset,
+        batch_size=cfg.TRAIN.BATCH_SIZE,
+        sampler=sampler,
+        drop_last=True,
+        **_loader_kwargs(cfg, device),
+    )
+
+
+def build_test_loader(
+    cfg: CfgNode, dataset: Dataset, rank: int, world_size: int, device: torch.device
+) -> DataLoader:
+    """Evaluation loader that visits every sample exactly once across ranks."""
+    return DataLoader(
+        dataset,
+        batch_size=cfg.TEST.BATCH_SIZE,
+        sampler=ExactShardSampler(len(dataset), rank, world_size),
+        **_loader_kwargs(cfg, device),
+    )

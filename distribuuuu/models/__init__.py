@@ -1,0 +1,85 @@
+"""The model registry: an architecture name -> a constructor.
+
+Names: the small ResNets of :mod:`distribuuuu.models.small`, every torchvision
+classification model by its torchvision name, and ``timm/<name>`` for timm
+models when timm is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+from torch import nn
+
+from distribuuuu.models import small
+
+logger = logging.getLogger(__name__)
+
+# name -> constructor(num_classes) of the models defined here.
+_SMALL: dict[str, Callable[[int], nn.Module]] = {
+    **{
+        f"resnet{d}": functools.partial(small.cifar_resnet, d)
+        for d in (8, 14, 20, 32, 44, 56, 110)
+    },
+    "resnet18_cifar": small.resnet18_cifar,
+}
+TIMM_PREFIX = "timm/"
+
+
+@functools.lru_cache(maxsize=1)
+def _torchvision_names() -> tuple[str, ...]:
+    import torchvision
+
+    return tuple(torchvision.models.list_models(module=torchvision.models))
+
+
+def list_models() -> list[str]:
+    """Every name the registry builds (timm models not listed)."""
+    return sorted(_SMALL) + sorted(_torchvision_names())
+
+
+def is_model(name: str) -> bool:
+    """True when :func:`build_model` knows ``name``."""
+    if name.startswith(TIMM_PREFIX):
+        try:
+            import timm
+        except ImportError:
+            return False
+        return timm.is_model(name[len(TIMM_PREFIX) :])
+    return name in _SMALL or name in _torchvision_names()
+
+
+def build_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Module:
+    """Build architecture ``name`` with a ``num_classes``-way head.
+
+    ``pretrained`` loads torchvision's (or timm's) ImageNet weights; a head of
+    another size is left freshly initialised.
+    """
+    if name in _SMALL:
+        if pretrained:
+            raise ValueError(f"{name} has no pretrained weights")
+        return _SMALL[name](num_classes)
+    if name.startswith(TIMM_PREFIX):
+        import timm
+
+        return timm.create_model(
+            name[len(TIMM_PREFIX) :], pretrained=pretrained, num_classes=num_classes
+        )
+    import torchvision
+
+    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    if pretrained:
+        source = torchvision.models.get_model(name, weights="DEFAULT")
+        own = model.state_dict()
+        state = {
+            k: v for k, v in source.state_dict().items() if own[k].shape == v.shape
+        }
+        skipped = sorted(set(own) - set(state))
+        model.load_state_dict(state, strict=False)
+        if skipped:
+            logger.info(
+                "pretrained %s: head left freshly initialised: %s", name, skipped
+            )
+    return model

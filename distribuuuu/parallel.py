@@ -1,0 +1,56 @@
+"""Wrap a model for the run: device placement, SyncBN, DDP."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from distribuuuu import distributed as du
+
+logger = logging.getLogger(__name__)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain model inside a DDP (or DataParallel) wrapper."""
+    return model.module if hasattr(model, "module") else model
+
+
+def wrap_model(model: nn.Module, device: torch.device, syncbn: bool) -> nn.Module:
+    """Move ``model`` to ``device`` and wrap it for the process group, if any.
+
+    Args:
+        model: the plain model.
+        device: this process's one device.
+        syncbn: convert BatchNorm to synchronized BatchNorm (CUDA only for now;
+            on CPU a warning is logged and plain BatchNorm kept).
+    """
+    distributed = du.is_distributed()
+    if syncbn and distributed:
+        if device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            logger.info("SyncBN: BatchNorm layers synchronized across processes")
+        else:
+            logger.warning(
+                "MODEL.SYNCBN True: torch.nn.SyncBatchNorm works on GPU only; "
+                "this CPU run keeps plain (per-process) BatchNorm"
+            )
+    model = model.to(device)
+    if distributed:
+        device_ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=device_ids)
+    return model
+
+
+def broadcast_buffers(model: nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s buffers (BatchNorm running statistics) to every rank.
+
+    After the last training step each rank has updated its running statistics
+    with its own batch; evaluating with rank 0's copy everywhere makes the
+    distributed evaluation equal to evaluating the saved checkpoint.
+    """
+    if du.is_distributed():
+        for buffer in unwrap_model(model).buffers():
+            torch.distributed.broadcast(buffer, src)

