@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -44,10 +45,9 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, **kwargs)
         out, err = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {cmd}\n{out[-3000:]}\n{err[-3000:]}")
     finally:
-        try:  # reap anything the command left behind in its group
+        # reap anything the command left behind in its group
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -61,6 +61,12 @@ def torchrun(nproc: int, *args: str, timeout: float = 300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", TRAIN_NET, *args]
     return run(cmd, timeout=timeout)
+
+
+def read_text(*parts: str) -> str:
+    """The text of the file at ``os.path.join(*parts)``."""
+    with open(os.path.join(*parts), encoding="utf-8") as f:
+        return f.read()
 
 
 def read_metrics(out_dir: str, split: str | None = None) -> list[dict]:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from conftest import REPO, train_net
+from conftest import REPO, read_text, train_net
 
 from distribuuuu.config import ConfigError, get_cfg, load_cfg
 
@@ -35,7 +33,7 @@ def test_compatibility_keys_exist():
 
 
 def test_every_default_has_a_comment():
-    source = open(os.path.join(REPO, "distribuuuu", "config.py")).read().splitlines()
+    source = read_text(REPO, "distribuuuu", "config.py").splitlines()
     for index, line in enumerate(source):
         if line.startswith("_C.") and " = " in line and "CfgNode()" not in line:
             assert source[index - 1].startswith("#"), f"no comment above: {line}"
@@ -54,7 +52,9 @@ def test_auto_data_name_resolves(tmp_path):
     assert load_cfg().DATA.NAME == "mnist5k"
     (tmp_path / "train").mkdir()
     (tmp_path / "val").mkdir()
-    cfg = load_cfg(None, ["TRAIN.DATASET", str(tmp_path), "TEST.DATASET", str(tmp_path)])
+    cfg = load_cfg(
+        None, ["TRAIN.DATASET", str(tmp_path), "TEST.DATASET", str(tmp_path)]
+    )
     assert cfg.DATA.NAME == "imagefolder"
     cfg = load_cfg(None, ["TRAIN.DATASET", str(tmp_path), "MODEL.DUMMY_INPUT", "True"])
     assert cfg.DATA.NAME == "synthetic"
@@ -78,8 +78,9 @@ def test_original_full_recipe_dump_loads(tmp_path):
     recipe.write_text(
         "CFG_DEST: config.yaml\nCUDNN:\n  BENCHMARK: true\n  DETERMINISTIC: false\n"
         "MODEL:\n  ARCH: resnet18\n  DUMMY_INPUT: false\n  NUM_CLASSES: 1000\n"
-        "  PRETRAINED: false\n  SYNCBN: false\n  WEIGHTS: null\nOPTIM:\n  BASE_LR: 0.2\n"
-        "  DAMPENING: 0.0\n  LR_MULT: 0.1\n  LR_POLICY: cos\n  MAX_EPOCH: 100\n"
+        "  PRETRAINED: false\n  SYNCBN: false\n  WEIGHTS: null\n"
+        "OPTIM:\n  BASE_LR: 0.2\n  DAMPENING: 0.0\n  LR_MULT: 0.1\n"
+        "  LR_POLICY: cos\n  MAX_EPOCH: 100\n"
         "  MIN_LR: 0.0\n  MOMENTUM: 0.9\n  NESTEROV: true\n  STEPS: []\n"
         "  WARMUP_EPOCHS: 5\n  WARMUP_FACTOR: 0.1\n  WEIGHT_DECAY: 5.0e-05\n"
         "OUT_DIR: ./exp\nRNG_SEED: null\nTEST:\n  BATCH_SIZE: 200\n"
@@ -104,7 +105,10 @@ def test_original_full_recipe_dump_loads(tmp_path):
         (["TRAIN.BATCH_SIZE", "0"], ["TRAIN.BATCH_SIZE", "must be >= 1"]),
         (["OPTIM.LR_POLICY", "linear"], ["OPTIM.LR_POLICY", "cos, steps"]),
         (["OPTIM.BASE_LR", "[1, 2]"], ["OPTIM.BASE_LR", "expected a number"]),
-        (["OPTIM.STEPS", "[5, 2]", "OPTIM.MAX_EPOCH", "9"], ["OPTIM.STEPS", "increasing"]),
+        (
+            ["OPTIM.STEPS", "[5, 2]", "OPTIM.MAX_EPOCH", "9"],
+            ["OPTIM.STEPS", "increasing"],
+        ),
         (["TEST.IM_SIZE", "20"], ["TEST.IM_SIZE", "TRAIN.IM_SIZE=28"]),
         (["MODEL.NUM_CLASSES", "5"], ["mnist5k has 10 classes"]),
         (["OPTIM.MAX_EPOCH"], ["KEY VALUE pairs"]),

@@ -146,8 +146,9 @@ start_munge() {
     fi
     stop_pid "$MUNGE_PID" munged
     log "starting munged"
+    # 9>&-: daemons must not inherit (and so hold forever) our lock fd.
     # munged daemonizes itself and writes $MUNGE_PID; --force: ignore a stale socket
-    runuser -u munge -- /usr/sbin/munged --force
+    runuser -u munge -- /usr/sbin/munged --force 9>&-
     local i
     for ((i = 0; i < 50; i++)); do
         munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && return 0
@@ -172,6 +173,7 @@ SlurmdPort=6818
 AuthType=auth/munge
 CredType=cred/munge
 MpiDefault=none
+MailProg=/bin/true
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -223,11 +225,11 @@ write_conf() {
 start_slurm() {
     if ! pid_alive "$CTLD_PID" slurmctld; then
         log "starting slurmctld"
-        /usr/sbin/slurmctld || { dump_logs; die "slurmctld failed to start"; }
+        /usr/sbin/slurmctld 9>&- || { dump_logs; die "slurmctld failed to start"; }
     fi
     if ! pid_alive "$SLURMD_PID" slurmd; then
         log "starting slurmd (node $NODE)"
-        /usr/sbin/slurmd -N "$NODE" || { dump_logs; die "slurmd failed to start"; }
+        /usr/sbin/slurmd -N "$NODE" 9>&- || { dump_logs; die "slurmd failed to start"; }
     fi
 }
 
@@ -300,7 +302,7 @@ main() {
             need_root "$cmd"
             # serialize concurrent callers (e.g. parallel test sessions)
             exec 9>/run/slurm_local.lock
-            flock -w 300 9 || die "could not take /run/slurm_local.lock"
+            flock -w 120 9 || die "could not take /run/slurm_local.lock"
             "cmd_$cmd"
             ;;
         status) cmd_status ;;

@@ -1,0 +1,77 @@
+"""Checkpoint files: atomic writes, the last pointer, keep-N, safe loading."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from distribuuuu import checkpoint as cp
+
+
+def _state(epoch: int) -> dict:
+    return {"model": {"w": torch.full((3,), float(epoch))}, "epoch": epoch}
+
+
+def test_save_moves_last_and_keeps_newest(tmp_path):
+    for epoch in range(1, 12):
+        cp.save_checkpoint(str(tmp_path), epoch, _state(epoch), keep=3)
+    names = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert names == ["ckpt_ep_0009.pth", "ckpt_ep_0010.pth", "ckpt_ep_0011.pth", "last"]
+    assert (tmp_path / "checkpoints" / "last").read_text().strip() == "ckpt_ep_0011.pth"
+    path, state = cp.find_resume_checkpoint(str(tmp_path))
+    assert path.endswith("ckpt_ep_0011.pth") and state["epoch"] == 11
+
+
+def test_numbers_sort_as_numbers_not_text(tmp_path):
+    cp.save_checkpoint(str(tmp_path), 9, _state(9))
+    cp.save_checkpoint(str(tmp_path), 10000, _state(10000))
+    assert [e for e, _ in cp.list_checkpoints(str(tmp_path))] == [10000, 9]
+
+
+def test_truncated_newest_is_skipped(tmp_path, caplog):
+    cp.save_checkpoint(str(tmp_path), 1, _state(1))
+    newest = cp.save_checkpoint(
+        str(tmp_path), 2, {**_state(2), "pad": torch.zeros(10000)}
+    )
+    size = os.path.getsize(newest)
+    with open(newest, "r+b") as f:
+        f.truncate(size // 2)
+    path, state = cp.find_resume_checkpoint(str(tmp_path))
+    assert state["epoch"] == 1
+    assert "ckpt_ep_0002.pth" in caplog.text
+
+
+def test_loading_refuses_pickled_code(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    path = tmp_path / "evil.pth"
+    torch.save({"model": Evil()}, path)
+    with pytest.raises(Exception, match="weights_only|Unsupported"):
+        cp.load_file(str(path))
+
+
+def test_module_prefix_is_ignored_and_mismatch_named():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    wrapped = {f"module.{k}": v for k, v in model.state_dict().items()}
+    other = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    cp.load_model_weights(other, {"model": wrapped}, "x.pth")
+    assert torch.equal(other[0].weight, model[0].weight)
+    with pytest.raises(ValueError, match="0.weight has shape"):
+        cp.load_model_weights(
+            torch.nn.Sequential(torch.nn.Linear(2, 4)), wrapped, "x.pth"
+        )
+
+
+def test_rng_state_round_trip(tmp_path):
+    state = cp.capture_rng_state()
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    path = str(tmp_path / "rng.pth")
+    cp.save_weights(path, {"rng": state})
+    cp.restore_rng_state(cp.load_file(path)["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected

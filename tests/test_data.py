@@ -1,0 +1,110 @@
+"""Data sets, transforms and the exact evaluation sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from distribuuuu.config import load_cfg
+from distribuuuu.data import build_dataset, build_test_loader, build_train_loader
+from distribuuuu.data.datasets import load_mnist5k
+from distribuuuu.data.samplers import ExactShardSampler
+
+
+def test_mnist5k_split_is_fixed_balanced_and_disjoint():
+    train_x, train_y = load_mnist5k(train=True)
+    val_x, val_y = load_mnist5k(train=False)
+    assert train_x.shape == (4000, 1, 28, 28) and val_x.shape == (1000, 1, 28, 28)
+    assert train_x.dtype == torch.uint8
+    assert torch.bincount(val_y).tolist() == [100] * 10
+    assert torch.bincount(train_y).tolist() == [400] * 10
+    train_rows = {bytes(x.flatten().tolist()) for x in train_x}
+    assert not any(bytes(x.flatten().tolist()) in train_rows for x in val_x[:200])
+    again_x, _ = load_mnist5k(train=False)
+    assert torch.equal(val_x, again_x)
+
+
+def test_mnist5k_samples_are_normalised_three_channel_images():
+    cfg = load_cfg()
+    image, label = build_dataset(cfg, train=False)[0]
+    assert image.shape == (3, 28, 28) and image.dtype == torch.float32
+    assert 0 <= label < 10
+    assert -1 < image.mean() < 1
+
+
+@pytest.mark.parametrize("size", [7, 10, 1000, 1001])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_exact_sampler_visits_every_index_once(size, world):
+    seen = []
+    for rank in range(world):
+        sampler = ExactShardSampler(size, rank, world)
+        indices = list(sampler)
+        assert len(indices) == len(sampler)
+        seen += indices
+    assert sorted(seen) == list(range(size))
+
+
+def test_loaders_shard_without_overlap():
+    cfg = load_cfg(
+        None,
+        [
+            "MODEL.DUMMY_INPUT",
+            "True",
+            "DATA.SYNTHETIC_SIZE",
+            "[40, 11]",
+            "TRAIN.BATCH_SIZE",
+            "4",
+            "TEST.BATCH_SIZE",
+            "4",
+        ],
+    )
+    train_set = build_dataset(cfg, train=True)
+    val_set = build_dataset(cfg, train=False)
+    cpu = torch.device("cpu")
+    counts = [len(build_test_loader(cfg, val_set, r, 3, cpu).sampler) for r in range(3)]
+    assert sum(counts) == 11
+    loader = build_train_loader(cfg, train_set, 1, 2, seed=3, device=cpu)
+    loader.sampler.set_epoch(0)
+    first = list(loader.sampler)
+    loader.sampler.set_epoch(1)
+    assert list(loader.sampler) != first
+    assert len(loader) == 20 // 4
+
+
+def test_synthetic_images_are_deterministic():
+    cfg = load_cfg(
+        None, ["MODEL.DUMMY_INPUT", "True", "TRAIN.IM_SIZE", "32", "TEST.IM_SIZE", "32"]
+    )
+    a = build_dataset(cfg, train=False)
+    b = build_dataset(cfg, train=False)
+    assert torch.equal(a[3][0], b[3][0]) and a[3][1] == b[3][1]
+    assert a[3][0].shape == (3, 32, 32)
+
+
+def test_imagefolder_reads_each_split_from_its_own_key(tmp_path):
+    for split, count in (("train", 3), ("val", 2)):
+        for name in ("cat", "dog"):
+            folder = tmp_path / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (50, 40), (i * 40, 10, 200)).save(folder / f"{i}.png")
+    cfg = load_cfg(
+        None,
+        [
+            "TRAIN.DATASET",
+            str(tmp_path),
+            "TEST.DATASET",
+            str(tmp_path),
+            "TRAIN.IM_SIZE",
+            "32",
+            "TEST.IM_SIZE",
+            "36",
+            "MODEL.NUM_CLASSES",
+            "2",
+        ],
+    )
+    train_set, val_set = build_dataset(cfg, True), build_dataset(cfg, False)
+    assert (len(train_set), len(val_set)) == (6, 4)
+    assert train_set.classes == ["cat", "dog"]
+    assert train_set[0][0].shape == (3, 32, 32) and val_set[0][0].shape == (3, 32, 32)

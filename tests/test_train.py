@@ -1,0 +1,215 @@
+"""End to end: the real entry point, single process and real gloo process groups."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from conftest import (
+    FAST,
+    REPO,
+    TRAIN_NET,
+    assert_ok,
+    free_port,
+    read_metrics,
+    read_text,
+    run,
+    torchrun,
+    train_net,
+)
+
+VAL_SIZE = 1000  # the embedded validation split
+TWO_EPOCHS = [*FAST, "OPTIM.MAX_EPOCH", "2"]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> str:
+    """An uninterrupted 2-epoch run of the embedded data set, single process."""
+    out_dir = str(tmp_path_factory.mktemp("reference"))
+    assert_ok(train_net(*TWO_EPOCHS, "OUT_DIR", out_dir))
+    return out_dir
+
+
+def test_single_process_run_writes_every_output(reference_run):
+    out = reference_run
+    cfg = yaml.safe_load(read_text(out, "config.yaml"))
+    assert cfg["DATA"]["NAME"] == "mnist5k" and cfg["MODEL"]["ARCH"] == "resnet8"
+    val = read_metrics(out, "val")
+    assert [r["epoch"] for r in val] == [1, 2]
+    assert val[-1]["samples"] == VAL_SIZE and val[-1]["world_size"] == 1
+    assert val[-1]["top1"] >= 80.0  # two epochs of a tiny ResNet already learn
+    for key in ("topk", "loss"):
+        assert key in val[-1]
+    train = read_metrics(out, "train")
+    assert {"epoch", "iter", "loss", "lr", "img_per_s"} <= set(train[0])
+    assert any(
+        name.startswith("events.out.tfevents") for name in os.listdir(f"{out}/tb")
+    )
+    log = read_text(out, "log.txt")
+    assert "val ep 2/2" in log and "eta" in log
+    checkpoints = os.path.join(out, "checkpoints")
+    assert read_text(checkpoints, "last").strip() == "ckpt_ep_0002.pth"
+    state = torch.load(os.path.join(checkpoints, "ckpt_ep_0002.pth"), weights_only=True)
+    assert state["epoch"] == 2 and "optimizer" in state and "MODEL:" in state["cfg"]
+    best = torch.load(os.path.join(out, "best.pth"), weights_only=True)
+    assert best["top1"] == max(r["top1"] for r in val)
+
+
+def test_eval_only_prints_top1_of_the_best_weights(reference_run):
+    result = train_net("--eval-only", *FAST, "OUT_DIR", reference_run)
+    assert_ok(result)
+    best = max(r["top1"] for r in read_metrics(reference_run, "val")[:2])
+    assert f"top1 {best:.2f}  top5" in result.stdout
+    assert "samples 1000" in result.stdout
+
+
+def test_run_again_after_kill_resumes_and_matches(reference_run, tmp_path):
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, TRAIN_NET, *TWO_EPOCHS, "OUT_DIR", out]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    last = os.path.join(out, "checkpoints", "last")
+    try:
+        deadline = time.time() + 240
+        while (
+            not os.path.exists(last) and proc.poll() is None and time.time() < deadline
+        ):
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert read_text(last).strip() == "ckpt_ep_0001.pth"
+    assert [r["epoch"] for r in read_metrics(out, "val")] == [1]
+
+    result = train_net(*TWO_EPOCHS, "OUT_DIR", out)
+    assert_ok(result)
+    assert "resumed from" in result.stdout and "epoch 1 done" in result.stdout
+    resumed, reference = (
+        read_metrics(out, "val"),
+        read_metrics(reference_run, "val")[:2],
+    )
+    assert [r["epoch"] for r in resumed] == [1, 2]
+    assert resumed[-1]["top1"] == reference[-1]["top1"]
+    assert resumed[-1]["loss"] == pytest.approx(reference[-1]["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_torchrun_counts_every_validation_sample_once(tmp_path, nproc):
+    out = str(tmp_path)
+    result = torchrun(nproc, *FAST, "OPTIM.MAX_EPOCH", "1", "OUT_DIR", out)
+    assert_ok(result)
+    (val,) = read_metrics(out, "val")
+    assert val["world_size"] == nproc and val["samples"] == VAL_SIZE
+    assert os.path.exists(os.path.join(out, f"log_rank{nproc - 1}.txt"))
+    log = read_text(out, "log.txt")
+    assert f"rank 0 of {nproc}" in log and "backend gloo" in log
+
+
+def test_deprecated_launcher(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.launch",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        TRAIN_NET,
+        *FAST,
+        "OPTIM.MAX_EPOCH",
+        "1",
+        "OUT_DIR",
+        str(tmp_path),
+    ]
+    assert_ok(run(cmd))
+    (val,) = read_metrics(str(tmp_path), "val")
+    assert val["world_size"] == 2 and val["samples"] == VAL_SIZE
+
+
+def test_evaluation_is_identical_across_world_sizes(reference_run, tmp_path):
+    weights = os.path.join(reference_run, "best.pth")
+    results = []
+    for nproc in (1, 2, 3):
+        out = str(tmp_path / f"eval{nproc}")
+        args = [
+            "--eval-only",
+            *FAST,
+            "MODEL.WEIGHTS",
+            weights,
+            "OUT_DIR",
+            out,
+            "TEST.BATCH_SIZE",
+            "128",
+        ]
+        assert_ok(train_net(*args) if nproc == 1 else torchrun(nproc, *args))
+        (record,) = read_metrics(out, "val")
+        assert record["world_size"] == nproc
+        results.append(record)
+    for record in results[1:]:
+        assert record["samples"] == results[0]["samples"] == VAL_SIZE
+        assert record["top1"] == results[0]["top1"]
+        assert record["topk"] == results[0]["topk"]
+        # float32 sums over other batch splits: equal to float32 precision
+        assert record["loss"] == pytest.approx(results[0]["loss"], rel=1e-6)
+
+
+def test_original_override_line_with_syncbn_on_cpu(tmp_path):
+    result = torchrun(
+        2,
+        "--cfg",
+        "config/resnet18.yaml",
+        "OUT_DIR",
+        str(tmp_path),
+        "MODEL.SYNCBN",
+        "True",
+        "TRAIN.BATCH_SIZE",
+        "8",
+        "MODEL.DUMMY_INPUT",
+        "True",
+        "OPTIM.MAX_EPOCH",
+        "1",
+        "TRAIN.IM_SIZE",
+        "64",
+        "TEST.IM_SIZE",
+        "64",
+        "DATA.SYNTHETIC_SIZE",
+        "[32, 16]",
+        "TRAIN.WORKERS",
+        "0",
+        "TEST.BATCH_SIZE",
+        "8",
+    )
+    assert_ok(result)
+    log = read_text(tmp_path, "log.txt")
+    assert "SyncBatchNorm works on GPU only" in log
+    (val,) = read_metrics(str(tmp_path), "val")
+    assert val["samples"] == 16 and val["world_size"] == 2
+    cfg = yaml.safe_load(read_text(tmp_path, "config.yaml"))
+    assert cfg["DATA"]["NAME"] == "synthetic" and cfg["MODEL"]["ARCH"] == "resnet18"
+
+
+def test_local_rank_argument_forms():
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        import train_net as cli
+    finally:
+        sys.path.pop(0)
+    assert cli.parse_args(["--local-rank=1", "OPTIM.MAX_EPOCH", "2"]).local_rank == 1
+    args = cli.parse_args(["--local_rank", "3", "--cfg", "x.yaml", "A", "1"])
+    assert (args.local_rank, args.cfg_file, args.opts) == (3, "x.yaml", ["A", "1"])
+
+
+@pytest.mark.skipif(shutil.which("distribuuuu-train") is None, reason="not installed")
+def test_console_script_is_the_same_entry():
+    result = run(["distribuuuu-train", "OPTIM.BASE_LR", "fast"], timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("error: OPTIM.BASE_LR")
