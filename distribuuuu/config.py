@@ -144,6 +144,9 @@ _C.DIST = CfgNode()
 _C.DIST.BACKEND = ""
 # Seconds to wait for peers at start-up and in collectives before giving up
 _C.DIST.INIT_TIMEOUT = 600
+# Process layout: ddp (one process per device, started by torchrun, srun or
+# --num-procs) | dp (one process driving all visible GPUs with DataParallel)
+_C.DIST.MODE = "ddp"
 
 # ---------------------------------------------------------------------------- #
 # Checkpoints
@@ -182,6 +185,7 @@ DATA_NAMES = ("auto", "mnist5k", "imagefolder", "cifar10", "cifar100", "syntheti
 LR_POLICIES = ("cos", "steps")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("", "nccl", "gloo")
+DIST_MODES = ("ddp", "dp")
 # Classes of the data sets with a fixed label set.
 _FIXED_CLASSES = {"mnist5k": 10, "cifar10": 10, "cifar100": 100}
 
@@ -412,6 +416,7 @@ _CHOICES = {
     "DATA.NAME": DATA_NAMES,
     "OPTIM.LR_POLICY": LR_POLICIES,
     "DIST.BACKEND": BACKENDS,
+    "DIST.MODE": DIST_MODES,
     "DEVICE": DEVICES,
 }
 

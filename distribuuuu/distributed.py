@@ -30,6 +30,10 @@ _SLURM_PORT_BASE = 20000
 _SLURM_PORT_SPAN = 20000
 
 
+class DistributedSetupError(RuntimeError):
+    """The process group could not be formed (peers missing, port taken, ...)."""
+
+
 @dataclass(frozen=True)
 class LaunchInfo:
     """Where this process sits in the job, as detected from the environment."""
@@ -165,14 +169,23 @@ def setup_distributed(
         os.environ["MASTER_ADDR"] = info.master_addr
         os.environ["MASTER_PORT"] = str(info.master_port)
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-        dist.init_process_group(
-            backend=backend,
-            init_method="env://",
-            rank=info.rank,
-            world_size=info.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if device.type == "cuda" else None,
-        )
+        try:
+            dist.init_process_group(
+                backend=backend,
+                init_method="env://",
+                rank=info.rank,
+                world_size=info.world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=device if device.type == "cuda" else None,
+            )
+        except (RuntimeError, ValueError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise DistributedSetupError(
+                f"rank {info.rank} of {info.world_size} could not join the process "
+                f"group at {info.master_addr}:{info.master_port} ({backend}, "
+                f"{info.launcher}) within DIST.INIT_TIMEOUT={timeout_s:g}s: "
+                f"{type(error).__name__}: {reason}"
+            ) from error
     return info, device
 
 

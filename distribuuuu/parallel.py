@@ -18,7 +18,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
-def wrap_model(model: nn.Module, device: torch.device, syncbn: bool) -> nn.Module:
+def wrap_model(
+    model: nn.Module, device: torch.device, syncbn: bool, mode: str = "ddp"
+) -> nn.Module:
     """Move ``model`` to ``device`` and wrap it for the process group, if any.
 
     Args:
@@ -26,7 +28,11 @@ def wrap_model(model: nn.Module, device: torch.device, syncbn: bool) -> nn.Modul
         device: this process's one device.
         syncbn: convert BatchNorm to synchronized BatchNorm (CUDA only for now;
             on CPU a warning is logged and plain BatchNorm kept).
+        mode: "ddp", or "dp" for DataParallel over all visible GPUs in this
+            one process (falls back to ``device`` alone with fewer than 2).
     """
+    if mode == "dp":
+        return _wrap_data_parallel(model, device)
     distributed = du.is_distributed()
     if syncbn and distributed:
         if device.type == "cuda":
@@ -42,6 +48,26 @@ def wrap_model(model: nn.Module, device: torch.device, syncbn: bool) -> nn.Modul
         device_ids = [device.index] if device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids)
     return model
+
+
+def _wrap_data_parallel(model: nn.Module, device: torch.device) -> nn.Module:
+    if du.get_world_size() > 1:
+        raise ValueError(
+            "DIST.MODE dp runs in one process; with several processes use "
+            "DIST.MODE ddp (the default)"
+        )
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    model = model.to(device)
+    if gpus < 2:
+        logger.warning(
+            "DIST.MODE dp: DataParallel needs 2 or more CUDA devices, found %d; "
+            "falling back to one device (%s)",
+            gpus,
+            device,
+        )
+        return model
+    logger.info("DataParallel over %d GPUs (batch split across them)", gpus)
+    return nn.DataParallel(model)
 
 
 def broadcast_buffers(model: nn.Module, src: int = 0) -> None:

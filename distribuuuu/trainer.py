@@ -264,7 +264,7 @@ def train_model(cfg: CfgNode) -> dict:
             len(train_set.classes),
         )
         model = build_model(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, cfg.MODEL.PRETRAINED)
-        model = wrap_model(model, device, cfg.MODEL.SYNCBN)
+        model = wrap_model(model, device, cfg.MODEL.SYNCBN, cfg.DIST.MODE)
         optimizer = optim.build_optimizer(model, cfg.OPTIM)
         # Every rank loads the same file, so the replicas stay identical.
         start_epoch, best_top1, saved_seed, rng = _resume_or_load(cfg, model, optimizer)

@@ -51,6 +51,26 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, **kwargs)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    """Start ``cmd`` in a new session; stop it with :func:`kill_session`."""
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s whole process group and reap ``proc``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+
+
 def train_net(*args: str, timeout: float = 300, env: dict | None = None):
     """``python tools/train_net.py ARGS`` as a user would run it."""
     return run([sys.executable, TRAIN_NET, *args], timeout=timeout, env=env)

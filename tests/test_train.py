@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 
@@ -18,9 +16,11 @@ from conftest import (
     TRAIN_NET,
     assert_ok,
     free_port,
+    kill_session,
     read_metrics,
     read_text,
     run,
+    start,
     torchrun,
     train_net,
 )
@@ -73,13 +73,7 @@ def test_eval_only_prints_top1_of_the_best_weights(reference_run):
 def test_run_again_after_kill_resumes_and_matches(reference_run, tmp_path):
     out = str(tmp_path / "run")
     cmd = [sys.executable, TRAIN_NET, *TWO_EPOCHS, "OUT_DIR", out]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = start(cmd)
     last = os.path.join(out, "checkpoints", "last")
     try:
         deadline = time.time() + 240
@@ -88,8 +82,7 @@ def test_run_again_after_kill_resumes_and_matches(reference_run, tmp_path):
         ):
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_session(proc)
     assert read_text(last).strip() == "ckpt_ep_0001.pth"
     assert [r["epoch"] for r in read_metrics(out, "val")] == [1]
 
