@@ -77,7 +77,13 @@ _C.TRAIN.LOAD_OPT = True
 _C.TRAIN.WORKERS = 0
 # Pin host memory for faster host-to-GPU copies (no effect on CPU runs)
 _C.TRAIN.PIN_MEMORY = True
-# Log training metrics every this many iterations
+# Micro-batches of TRAIN.BATCH_SIZE per optimizer step (gradient accumulation);
+# the global batch is BATCH_SIZE x ACCUM_STEPS x world size
+_C.TRAIN.ACCUM_STEPS = 1
+# Autocast precision: none | bf16 | fp16 (fp16 scales the loss with a GradScaler
+# on CUDA and falls back to bf16 on CPU)
+_C.TRAIN.MIXED_PRECISION = "none"
+# Log training metrics every this many optimizer steps
 _C.TRAIN.PRINT_FREQ = 20
 # k of the top-k accuracy (clipped to MODEL.NUM_CLASSES)
 _C.TRAIN.TOPK = 5
@@ -103,7 +109,8 @@ _C.TEST.PRINT_FREQ = 10
 _C.CUDNN = CfgNode()
 # Let cuDNN pick the fastest convolution algorithms for the input sizes
 _C.CUDNN.BENCHMARK = True
-# Ask cuDNN for deterministic algorithms (slower)
+# Deterministic algorithms only: cuDNN's, and torch.use_deterministic_algorithms
+# (slower; an operation without a deterministic version raises an error)
 _C.CUDNN.DETERMINISTIC = False
 
 # ---------------------------------------------------------------------------- #
@@ -135,6 +142,8 @@ _C.OPTIM.WARMUP_FACTOR = 0.1
 _C.OPTIM.WARMUP_EPOCHS = 1.0
 # L2 weight decay
 _C.OPTIM.WEIGHT_DECAY = 5e-4
+# Clip the global gradient norm to this value (0 = no clipping)
+_C.OPTIM.CLIP_GRAD_NORM = 0.0
 
 # ---------------------------------------------------------------------------- #
 # Distributed
@@ -166,8 +175,9 @@ _C.DEVICE = "auto"
 _C.OUT_DIR = "./exp"
 # File name (inside OUT_DIR) of the dump of the run's config
 _C.CFG_DEST = "config.yaml"
-# Random seed of Python, NumPy, torch and the samplers; null = pick one at
-# random (it is logged and saved in the checkpoints)
+# Random seed of Python, NumPy, torch, the data loader workers and the samplers
+# (0 is a seed like any other); null = pick one at random (it is logged and
+# saved in the checkpoints)
 _C.RNG_SEED = 1
 
 # Keys whose default is null, with the type they take otherwise.
@@ -186,6 +196,7 @@ LR_POLICIES = ("cos", "steps")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("", "nccl", "gloo")
 DIST_MODES = ("ddp", "dp")
+PRECISIONS = ("none", "bf16", "fp16")
 # Classes of the data sets with a fixed label set.
 _FIXED_CLASSES = {"mnist5k": 10, "cifar10": 10, "cifar100": 100}
 
@@ -386,6 +397,7 @@ _RANGES = {
         "must be [train_images, val_images], both >= 1",
     ),
     "TRAIN.BATCH_SIZE": (lambda v: v >= 1, "must be >= 1"),
+    "TRAIN.ACCUM_STEPS": (lambda v: v >= 1, "must be >= 1"),
     "TRAIN.IM_SIZE": (lambda v: v >= 1, "must be >= 1"),
     "TRAIN.WORKERS": (lambda v: v >= 0, "must be >= 0"),
     "TRAIN.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
@@ -401,6 +413,7 @@ _RANGES = {
     "OPTIM.WARMUP_FACTOR": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
     "OPTIM.WARMUP_EPOCHS": (lambda v: v >= 0, "must be >= 0"),
     "OPTIM.WEIGHT_DECAY": (lambda v: v >= 0, "must be >= 0"),
+    "OPTIM.CLIP_GRAD_NORM": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "DIST.INIT_TIMEOUT": (lambda v: v > 0, "must be > 0 seconds"),
     "CHECKPOINT.PERIOD": (lambda v: v >= 1, "must be >= 1"),
     "CHECKPOINT.KEEP": (lambda v: v >= 0, "must be >= 0 (0 keeps all)"),
@@ -417,6 +430,7 @@ _CHOICES = {
     "OPTIM.LR_POLICY": LR_POLICIES,
     "DIST.BACKEND": BACKENDS,
     "DIST.MODE": DIST_MODES,
+    "TRAIN.MIXED_PRECISION": PRECISIONS,
     "DEVICE": DEVICES,
 }
 

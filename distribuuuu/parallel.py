@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distribuuuu import distributed as du
+from distribuuuu.syncbn import GroupSyncBatchNorm
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +27,8 @@ def wrap_model(
     Args:
         model: the plain model.
         device: this process's one device.
-        syncbn: convert BatchNorm to synchronized BatchNorm (CUDA only for now;
-            on CPU a warning is logged and plain BatchNorm kept).
+        syncbn: convert BatchNorm to synchronized BatchNorm: PyTorch's
+            ``nn.SyncBatchNorm`` on CUDA, :class:`GroupSyncBatchNorm` elsewhere.
         mode: "ddp", or "dp" for DataParallel over all visible GPUs in this
             one process (falls back to ``device`` alone with fewer than 2).
     """
@@ -37,12 +38,10 @@ def wrap_model(
     if syncbn and distributed:
         if device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-            logger.info("SyncBN: BatchNorm layers synchronized across processes")
+            logger.info("SyncBN: torch.nn.SyncBatchNorm across processes")
         else:
-            logger.warning(
-                "MODEL.SYNCBN True: torch.nn.SyncBatchNorm works on GPU only; "
-                "this CPU run keeps plain (per-process) BatchNorm"
-            )
+            model = GroupSyncBatchNorm.convert_sync_batchnorm(model)
+            logger.info("SyncBN: CPU SyncBN active (all_reduce over %s)", device.type)
     model = model.to(device)
     if distributed:
         device_ids = [device.index] if device.type == "cuda" else None

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from yacs.config import CfgNode
 
@@ -46,6 +47,10 @@ def resolve_seed(seed: int | None) -> int:
 @contextlib.contextmanager
 def run_context(cfg: CfgNode) -> Iterator[tuple[du.LaunchInfo, torch.device]]:
     """Join the process group, set up logging and cuDNN; leave the group at exit."""
+    if cfg.CUDNN.DETERMINISTIC:
+        # cuBLAS needs this before its first use to be deterministic.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     info, device = du.setup_distributed(
         cfg.DIST.BACKEND, cfg.DEVICE, cfg.DIST.INIT_TIMEOUT
     )
@@ -86,82 +91,133 @@ class RunClock:
         return per_iter * (self.total_iters - self.done_iters)
 
 
+def resolve_precision(
+    name: str, device: torch.device
+) -> tuple[torch.dtype | None, bool]:
+    """Autocast dtype (None = full precision) and whether to scale the loss.
+
+    fp16 uses a GradScaler on CUDA; on other devices it falls back to bf16,
+    whose range needs no loss scaling.
+    """
+    if name == "none":
+        return None, False
+    if name == "fp16" and device.type != "cuda":
+        logger.info("TRAIN.MIXED_PRECISION fp16 on %s: using bf16 instead", device.type)
+        name = "bf16"
+    return (torch.float16, True) if name == "fp16" else (torch.bfloat16, False)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def _optimizer_step(model, optimizer, scaler, clip_grad_norm: float) -> None:
+    if clip_grad_norm > 0:
+        scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def train_epoch(
     model: nn.Module,
     loader: DataLoader,
     optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    amp_dtype: torch.dtype | None,
     cfg: CfgNode,
     device: torch.device,
     epoch: int,
     clock: RunClock,
     writer: MetricsWriter,
-) -> dict:
-    """Train one epoch (0-based ``epoch``); return the epoch's global metrics."""
+) -> None:
+    """Train one epoch (0-based ``epoch``).
+
+    Each optimizer step takes ``TRAIN.ACCUM_STEPS`` micro-batches of
+    ``TRAIN.BATCH_SIZE`` per process; DDP synchronizes gradients on the last
+    one only.  The learning rate is set before every step.  Micro-batches that
+    cannot fill a whole step at the end of the epoch are skipped.
+    """
     model.train()
     loader.sampler.set_epoch(epoch)
-    iters, topk = len(loader), min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
-    window = MetricSums(device, topk)
-    epoch_sums = {"loss": 0.0, "top1": 0.0, "topk": 0.0, "samples": 0}
-    data_time, window_start, tic = 0.0, time.perf_counter(), time.perf_counter()
-    for it, (images, targets) in enumerate(loader):
-        data_time += time.perf_counter() - tic
-        lr = optim.lr_at(cfg.OPTIM, epoch + it / iters)
+    accum = cfg.TRAIN.ACCUM_STEPS
+    steps = len(loader) // accum
+    meter = MetricSums(device, min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES))
+    batches = iter(loader)
+    data_time, window_start = 0.0, time.perf_counter()
+    for step in range(steps):
+        lr = optim.lr_at(cfg.OPTIM, epoch + step / steps)
         optim.set_lr(optimizer, lr)
-        images = images.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        logits = model(images)
-        loss = F.cross_entropy(logits, targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        window.update(loss.detach() * targets.numel(), logits.detach(), targets)
+        for micro in range(accum):
+            tic = time.perf_counter()
+            images, targets = next(batches)
+            data_time += time.perf_counter() - tic
+            images = images.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            sync = micro == accum - 1 or not isinstance(model, DistributedDataParallel)
+            with contextlib.nullcontext() if sync else model.no_sync():
+                with _autocast(device, amp_dtype):
+                    logits = model(images)
+                    loss = F.cross_entropy(logits, targets)
+                scaler.scale(loss / accum).backward()
+            meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
+        _optimizer_step(model, optimizer, scaler, cfg.OPTIM.CLIP_GRAD_NORM)
         clock.step()
-        if (it + 1) % cfg.TRAIN.PRINT_FREQ == 0 or it + 1 == iters:
-            stats = window.reduce()
+        if (step + 1) % cfg.TRAIN.PRINT_FREQ == 0 or step + 1 == steps:
+            window_steps = step % cfg.TRAIN.PRINT_FREQ + 1
             elapsed = time.perf_counter() - window_start
-            steps = (it % cfg.TRAIN.PRINT_FREQ) + 1
-            img_per_s = stats["samples"] / elapsed
-            logger.info(
-                "train ep %d/%d it %d/%d  loss %.4f  top1 %.2f  top%d %.2f  lr %.5f  "
-                "img/s %.0f  data %.1fms  eta %s",
-                epoch + 1,
-                cfg.OPTIM.MAX_EPOCH,
-                it + 1,
-                iters,
-                stats["loss"],
-                stats["top1"],
-                topk,
-                stats["topk"],
+            _log_train(
+                cfg,
+                meter,
+                epoch,
+                step,
+                steps,
                 lr,
-                img_per_s,
-                1000 * data_time / steps,
-                format_eta(clock.eta()),
+                elapsed,
+                data_time / window_steps,
+                clock,
+                writer,
             )
-            record = {
-                "split": "train",
-                "epoch": epoch + 1,
-                "iter": it + 1,
-                "lr": lr,
-                "img_per_s": img_per_s,
-                **stats,
-            }
-            step = epoch * iters + it + 1
-            scalars = {
-                "train/loss": stats["loss"],
-                "train/top1": stats["top1"],
-                "train/lr": lr,
-                "train/img_per_s": img_per_s,
-            }
-            writer.write(record, scalars, step)
-            for key in ("top1", "topk"):
-                epoch_sums[key] += stats[key] * stats["samples"]
-            epoch_sums["loss"] += stats["loss"] * stats["samples"]
-            epoch_sums["samples"] += stats["samples"]
-            window.reset()
+            meter.reset()
             data_time, window_start = 0.0, time.perf_counter()
-        tic = time.perf_counter()
-    samples = max(epoch_sums["samples"], 1)
-    return {k: (v / samples if k != "samples" else v) for k, v in epoch_sums.items()}
+
+
+def _log_train(cfg, meter, epoch, step, steps, lr, elapsed, data_time, clock, writer):
+    """Reduce the window's metrics over all ranks; log them (rank 0 writes)."""
+    stats = meter.reduce()
+    img_per_s = stats["samples"] / elapsed
+    logger.info(
+        "train ep %d/%d it %d/%d  loss %.4f  top1 %.2f  top%d %.2f  lr %.5f  "
+        "img/s %.0f  data %.1fms  eta %s",
+        epoch + 1,
+        cfg.OPTIM.MAX_EPOCH,
+        step + 1,
+        steps,
+        stats["loss"],
+        stats["top1"],
+        meter.topk,
+        stats["topk"],
+        lr,
+        img_per_s,
+        1000 * data_time,
+        format_eta(clock.eta()),
+    )
+    record = {
+        "split": "train",
+        "epoch": epoch + 1,
+        "iter": step + 1,
+        "lr": lr,
+        "img_per_s": img_per_s,
+        **stats,
+    }
+    scalars = {
+        "train/loss": stats["loss"],
+        "train/top1": stats["top1"],
+        "train/lr": lr,
+        "train/img_per_s": img_per_s,
+    }
+    writer.write(record, scalars, epoch * steps + step + 1)
 
 
 @torch.no_grad()
@@ -171,6 +227,7 @@ def evaluate(
     device: torch.device,
     topk: int,
     print_freq: int,
+    amp_dtype: torch.dtype | None = None,
 ) -> dict:
     """Exact evaluation: every sample once, sums reduced over all processes.
 
@@ -184,18 +241,20 @@ def evaluate(
     for it, (images, targets) in enumerate(loader):
         images = images.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
-        logits = model(images)
-        loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+        with _autocast(device, amp_dtype):
+            logits = model(images)
+            loss_sum = F.cross_entropy(logits, targets, reduction="sum")
         sums.update(loss_sum, logits, targets)
         if (it + 1) % print_freq == 0 and it + 1 < iters:
             logger.info("eval it %d/%d", it + 1, iters)
     return sums.reduce()
 
 
-def _checkpoint_state(cfg, model, optimizer, epoch, best_top1, seed) -> dict:
+def _checkpoint_state(cfg, model, optimizer, scaler, epoch, best_top1, seed) -> dict:
     return {
         "model": unwrap_model(model).state_dict(),
         "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
         "epoch": epoch,
         "best_top1": best_top1,
         "seed": seed,
@@ -208,7 +267,7 @@ def _checkpoint_state(cfg, model, optimizer, epoch, best_top1, seed) -> dict:
 
 
 def _resume_or_load(
-    cfg, model, optimizer
+    cfg, model, optimizer, scaler
 ) -> tuple[int, float, int | None, list | None]:
     """Start epoch, best top-1, seed and per-rank RNG states to continue from."""
     if cfg.TRAIN.AUTO_RESUME:
@@ -217,6 +276,8 @@ def _resume_or_load(
             path, state = found
             cp.load_model_weights(unwrap_model(model), state, path)
             optimizer.load_state_dict(state["optimizer"])
+            if state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
             logger.info("resumed from %s (epoch %d done)", path, state["epoch"])
             return state["epoch"], state["best_top1"], state["seed"], state["rng"]
     if cfg.MODEL.WEIGHTS:
@@ -243,13 +304,16 @@ def train_model(cfg: CfgNode) -> dict:
         rank, world = info.rank, info.world_size
         if rank == 0:
             dump_cfg(cfg)
+        accum = cfg.TRAIN.ACCUM_STEPS
         logger.info(
-            "data %s, model %s, %d process(es) x batch %d = global batch %d",
+            "data %s, model %s, %d process(es) x batch %d x %d accumulation "
+            "step(s) = global batch %d",
             cfg.DATA.NAME,
             cfg.MODEL.ARCH,
             world,
             cfg.TRAIN.BATCH_SIZE,
-            world * cfg.TRAIN.BATCH_SIZE,
+            accum,
+            world * cfg.TRAIN.BATCH_SIZE * accum,
         )
         seed = resolve_seed(cfg.RNG_SEED)
         seed_everything(seed + rank)
@@ -266,9 +330,14 @@ def train_model(cfg: CfgNode) -> dict:
         model = build_model(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, cfg.MODEL.PRETRAINED)
         model = wrap_model(model, device, cfg.MODEL.SYNCBN, cfg.DIST.MODE)
         optimizer = optim.build_optimizer(model, cfg.OPTIM)
+        amp_dtype, use_scaler = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
+        scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
         # Every rank loads the same file, so the replicas stay identical.
-        start_epoch, best_top1, saved_seed, rng = _resume_or_load(cfg, model, optimizer)
+        start_epoch, best_top1, saved_seed, rng = _resume_or_load(
+            cfg, model, optimizer, scaler
+        )
         seed = seed if saved_seed is None else saved_seed
+        logger.info("seed %d%s", seed, " (picked at random)" * (cfg.RNG_SEED is None))
         train_loader = build_train_loader(cfg, train_set, rank, world, seed, device)
         val_loader = build_test_loader(cfg, val_set, rank, world, device)
         _check_loader(train_loader, cfg, world)
@@ -278,17 +347,29 @@ def train_model(cfg: CfgNode) -> dict:
             seed_everything(seed + rank + 1_000 * start_epoch)
         writer = MetricsWriter(cfg.OUT_DIR, enabled=rank == 0)
         topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
-        iters = len(train_loader)
+        iters = len(train_loader) // accum
         clock = RunClock(cfg.OPTIM.MAX_EPOCH * iters, start_epoch * iters)
         stats = {}
         try:
             for epoch in range(start_epoch, cfg.OPTIM.MAX_EPOCH):
                 train_epoch(
-                    model, train_loader, optimizer, cfg, device, epoch, clock, writer
+                    model, train_loader, optimizer, scaler, amp_dtype, cfg, device,
+                    epoch, clock, writer,
+                )  # fmt: skip
+                stats = evaluate(
+                    model, val_loader, device, topk, cfg.TEST.PRINT_FREQ, amp_dtype
                 )
-                stats = evaluate(model, val_loader, device, topk, cfg.TEST.PRINT_FREQ)
                 best_top1 = _after_epoch(
-                    cfg, model, optimizer, epoch, stats, best_top1, seed, world, writer
+                    cfg,
+                    model,
+                    optimizer,
+                    scaler,
+                    epoch,
+                    stats,
+                    best_top1,
+                    seed,
+                    world,
+                    writer,
                 )
         finally:
             writer.close()
@@ -297,7 +378,9 @@ def train_model(cfg: CfgNode) -> dict:
         return stats
 
 
-def _after_epoch(cfg, model, optimizer, epoch, stats, best_top1, seed, world, writer):
+def _after_epoch(
+    cfg, model, optimizer, scaler, epoch, stats, best_top1, seed, world, writer
+):
     """Log the evaluation, save best and periodic checkpoints; return best top-1."""
     topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
     is_best = stats["top1"] > best_top1
@@ -322,7 +405,9 @@ def _after_epoch(cfg, model, optimizer, epoch, stats, best_top1, seed, world, wr
     writer.write(record, scalars, epoch + 1)
     last = epoch + 1 == cfg.OPTIM.MAX_EPOCH
     if (epoch + 1) % cfg.CHECKPOINT.PERIOD == 0 or last:
-        state = _checkpoint_state(cfg, model, optimizer, epoch + 1, best_top1, seed)
+        state = _checkpoint_state(
+            cfg, model, optimizer, scaler, epoch + 1, best_top1, seed
+        )
         if du.is_main_process():
             path = cp.save_checkpoint(
                 cfg.OUT_DIR, epoch + 1, state, cfg.CHECKPOINT.KEEP
@@ -364,7 +449,8 @@ def test_model(cfg: CfgNode) -> dict:
         model.to(device)
         loader = build_test_loader(cfg, val_set, info.rank, info.world_size, device)
         topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
-        stats = evaluate(model, loader, device, topk, cfg.TEST.PRINT_FREQ)
+        amp_dtype, _ = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
+        stats = evaluate(model, loader, device, topk, cfg.TEST.PRINT_FREQ, amp_dtype)
         logger.info(
             "eval %s  loss %.4f  top1 %.2f  top%d %.2f  samples %d",
             path,

@@ -184,7 +184,7 @@ def test_original_override_line_with_syncbn_on_cpu(tmp_path):
     )
     assert_ok(result)
     log = read_text(tmp_path, "log.txt")
-    assert "SyncBatchNorm works on GPU only" in log
+    assert "CPU SyncBN active" in log
     (val,) = read_metrics(str(tmp_path), "val")
     assert val["samples"] == 16 and val["world_size"] == 2
     cfg = yaml.safe_load(read_text(tmp_path, "config.yaml"))

@@ -24,6 +24,7 @@ _SMALL: dict[str, Callable[[int], nn.Module]] = {
         for d in (8, 14, 20, 32, 44, 56, 110)
     },
     "resnet18_cifar": small.resnet18_cifar,
+    "lenet5": small.LeNet5,
 }
 TIMM_PREFIX = "timm/"
 

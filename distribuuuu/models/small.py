@@ -5,6 +5,7 @@ blocks with 16, 32 and 64 channels at 32, 16 and 8 px (28, 14, 7 px for
 digits), global average pooling and a linear head.  ResNet-20 has 0.27 M
 parameters.  ``resnet18_cifar`` is ResNet-18's four stages (64-512 channels)
 behind a 3x3 stride-1 stem without max pooling, the usual CIFAR adaptation.
+``lenet5`` is the classic digit classifier, small and without BatchNorm.
 """
 
 from __future__ import annotations
@@ -85,3 +86,32 @@ def cifar_resnet(depth: int, num_classes: int = 10) -> SmallResNet:
 def resnet18_cifar(num_classes: int = 10) -> SmallResNet:
     """ResNet-18's stages behind a 3x3 stem for 32 px images (11.2 M parameters)."""
     return SmallResNet([2, 2, 2, 2], [64, 128, 256, 512], num_classes)
+
+
+class LeNet5(nn.Module):
+    """LeNet-5 (LeCun et al. 1998) with ReLU and max pooling; no BatchNorm.
+
+    Built for 28 px digits; other sizes are pooled to the 5x5 maps it expects.
+    """
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 6, 5, padding=2),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.AdaptiveAvgPool2d(5),
+        )
+        self.classifier = nn.Sequential(
+            nn.Linear(16 * 5 * 5, 120),
+            nn.ReLU(inplace=True),
+            nn.Linear(120, 84),
+            nn.ReLU(inplace=True),
+            nn.Linear(84, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.features(x), 1))

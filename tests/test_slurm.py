@@ -1,0 +1,100 @@
+"""Real Slurm: srun and sbatch against the local single-node cluster.
+
+CI brings the cluster up with ``tools/slurm_local.sh up``; elsewhere these tests
+skip when ``srun`` is missing or no node is usable.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import FAST, TRAIN_NET, assert_ok, read_metrics, read_text, run, train_net
+
+
+def _slurm_ready() -> str:
+    if shutil.which("srun") is None or shutil.which("sinfo") is None:
+        return "Slurm is not installed (CI starts one: tools/slurm_local.sh up)"
+    try:
+        states = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20
+        ).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return "sinfo does not answer"
+    if not any(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states):
+        return f"no usable Slurm node (sinfo: {states})"
+    return ""
+
+
+pytestmark = pytest.mark.skipif(bool(_slurm_ready()), reason=_slurm_ready() or "ok")
+ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]
+
+
+def test_srun_two_tasks(tmp_path):
+    cmd = [
+        "srun",
+        "-n",
+        "2",
+        "--time=10",
+        sys.executable,
+        TRAIN_NET,
+        *ONE_EPOCH,
+        "OUT_DIR",
+        str(tmp_path),
+    ]
+    assert_ok(run(cmd, timeout=300))
+    (val,) = read_metrics(str(tmp_path), "val")
+    assert val["world_size"] == 2 and val["samples"] == 1000
+    assert "launch: slurm, rank 0 of 2" in read_text(str(tmp_path), "log.txt")
+
+
+def test_sbatch_the_ready_script(tmp_path):
+    out = tmp_path / "run"
+    cmd = [
+        "sbatch",
+        "--wait",
+        "--gres=none",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        "--time=10",
+        f"--output={tmp_path}/slurm-%j.out",
+        "tools/slurm_train.sh",
+        *ONE_EPOCH,
+        "OUT_DIR",
+        str(out),
+    ]
+    result = run(cmd, timeout=400, env={"PYTHON": sys.executable})
+    logs = "".join(read_text(str(p)) for p in tmp_path.glob("slurm-*.out"))
+    assert result.returncode == 0, result.stderr + logs[-3000:]
+    (val,) = read_metrics(str(out), "val")
+    assert val["world_size"] == 2 and val["samples"] == 1000
+    assert "2 task(s)" in logs
+
+
+def test_srun_three_tasks_evaluate_like_one_process(tmp_path):
+    train_dir = str(tmp_path / "train")
+    assert_ok(train_net(*ONE_EPOCH, "OUT_DIR", train_dir))
+    weights = f"{train_dir}/best.pth"
+    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
+    args = ["--eval-only", *FAST, "MODEL.WEIGHTS", weights, "TEST.BATCH_SIZE", "64"]
+    assert_ok(train_net(*args, "OUT_DIR", single))
+    cmd = [
+        "srun",
+        "-O",
+        "-n",
+        "3",
+        "--time=10",
+        sys.executable,
+        TRAIN_NET,
+        *args,
+        "OUT_DIR",
+        multi,
+    ]
+    assert_ok(run(cmd, timeout=300))
+    (one,), (three,) = read_metrics(single, "val"), read_metrics(multi, "val")
+    assert three["world_size"] == 3 and one["world_size"] == 1
+    assert three["samples"] == one["samples"] == 1000
+    assert (three["top1"], three["topk"]) == (one["top1"], one["topk"])
+    assert three["loss"] == pytest.approx(one["loss"], rel=1e-6)
