@@ -19,7 +19,6 @@ set -euo pipefail
 PROG=$(basename "$0")
 SLURM_CONF_DIR=/etc/slurm
 SLURM_CONF=$SLURM_CONF_DIR/slurm.conf
-CGROUP_CONF=$SLURM_CONF_DIR/cgroup.conf
 LOG_DIR=/var/log/slurm
 STATE_DIR=/var/spool/slurmctld
 SPOOL_DIR=/var/spool/slurmd
@@ -32,6 +31,7 @@ PACKAGES=(slurmctld slurmd slurm-client munge)
 TIMEOUT=${SLURM_LOCAL_TIMEOUT:-60}
 NODE=$(hostname -s)
 PARTITION=debug
+SLURMD_STARTED=""
 
 log() { echo "[$PROG] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -48,26 +48,30 @@ pid_alive() {
     [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]]
 }
 
-# stop_pid PIDFILE NAME: SIGTERM, wait up to 15 s, then SIGKILL
-stop_pid() {
-    local pid i
-    if ! pid_alive "$1" "$2"; then
-        rm -f "$1"
-        return 0
-    fi
-    pid=$(<"$1")
-    log "stopping $2 (pid $pid)"
-    kill -TERM "$pid" 2>/dev/null || true
+# stop_pids PIDFILE:NAME...: SIGTERM them all, wait up to 15 s, then SIGKILL
+stop_pids() {
+    local spec file name pid i pids=() alive
+    for spec in "$@"; do
+        file=${spec%%:*} name=${spec#*:}
+        if pid_alive "$file" "$name"; then
+            pid=$(<"$file")
+            log "stopping $name (pid $pid)"
+            kill -TERM "$pid" 2>/dev/null || true
+            pids+=("$pid")
+        fi
+        rm -f "$file"
+    done
     for ((i = 0; i < 150; i++)); do
-        kill -0 "$pid" 2>/dev/null || break
+        alive=()
+        for pid in "${pids[@]}"; do
+            kill -0 "$pid" 2>/dev/null && alive+=("$pid")
+        done
+        ((${#alive[@]})) || return 0
         sleep 0.1
     done
-    if kill -0 "$pid" 2>/dev/null; then
-        log "$2 (pid $pid) ignored SIGTERM, sending SIGKILL"
-        kill -KILL "$pid" 2>/dev/null || true
-        sleep 0.5
-    fi
-    rm -f "$1"
+    log "pid(s) ${alive[*]} ignored SIGTERM, sending SIGKILL"
+    kill -KILL "${alive[@]}" 2>/dev/null || true
+    sleep 0.5
 }
 
 # node_state: compact state of our node as printed by sinfo (e.g. idle, down*)
@@ -88,7 +92,8 @@ dump_logs() {
     for f in "$LOG_DIR/slurmctld.log" "$LOG_DIR/slurmd.log" /var/log/munge/munged.log; do
         if [[ -f $f ]]; then
             echo "----- tail -n 30 $f -----" >&2
-            tail -n 30 "$f" >&2 || true
+            # (pmix noise: Debian's slurmd loads mpi/pmix even with MpiDefault=none)
+            grep -v -e pmix -e 'MPI: Cannot' "$f" | tail -n 30 >&2 || true
         fi
     done
 }
@@ -144,7 +149,7 @@ start_munge() {
     if pid_alive "$MUNGE_PID" munged && munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
         return 0
     fi
-    stop_pid "$MUNGE_PID" munged
+    stop_pids "$MUNGE_PID:munged"
     log "starting munged"
     # 9>&-: daemons must not inherit (and so hold forever) our lock fd.
     # munged daemonizes itself and writes $MUNGE_PID; --force: ignore a stale socket
@@ -171,6 +176,8 @@ SlurmdUser=root
 SlurmctldPort=6817
 SlurmdPort=6818
 AuthType=auth/munge
+# cred_expire also delays a requeued job restart (default 120 s!)
+AuthInfo=cred_expire=10
 CredType=cred/munge
 MpiDefault=none
 MailProg=/bin/true
@@ -180,11 +187,14 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
+# rescan pending jobs often (default 60 s/30 s), so requeued jobs restart quickly
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 ReturnToService=2
 JobRequeue=1
+EnforcePartLimits=ALL
 StateSaveLocation=$STATE_DIR
 SlurmdSpoolDir=$SPOOL_DIR
 SlurmctldPidFile=$CTLD_PID
@@ -229,19 +239,32 @@ start_slurm() {
     fi
     if ! pid_alive "$SLURMD_PID" slurmd; then
         log "starting slurmd (node $NODE)"
+        SLURMD_STARTED=$(date +%Y-%m-%dT%H:%M:%S)
         /usr/sbin/slurmd -N "$NODE" 9>&- || { dump_logs; die "slurmd failed to start"; }
     fi
 }
 
 stop_slurm() {
-    stop_pid "$SLURMD_PID" slurmd
-    stop_pid "$CTLD_PID" slurmctld
+    stop_pids "$CTLD_PID:slurmctld" "$SLURMD_PID:slurmd"
+}
+
+# slurmd_start_time: SlurmdStartTime of our node as slurmctld knows it
+slurmd_start_time() {
+    scontrol show node "$NODE" 2>/dev/null | sed -n 's/.*SlurmdStartTime=\([^ ]*\).*/\1/p' | head -n1 || true
 }
 
 wait_node() {
-    local deadline=$((SECONDS + TIMEOUT)) state="" resumed=0
-    while ((SECONDS < deadline)); do
+    local deadline=$((SECONDS + TIMEOUT)) state="" resumed=0 started
+    while true; do
         state=$(node_state)
+        if [[ -n $SLURMD_STARTED ]]; then
+            # slurmctld restores the old node state ("idle") from its state
+            # files: also wait until the slurmd we just started has registered
+            started=$(slurmd_start_time)
+            if [[ $started == None || $started < $SLURMD_STARTED ]]; then
+                state="$state (slurmd not registered yet)"
+            fi
+        fi
         if usable "$state"; then
             return 0
         fi
@@ -257,6 +280,7 @@ wait_node() {
         esac
         pid_alive "$CTLD_PID" slurmctld || { dump_logs; die "slurmctld died"; }
         pid_alive "$SLURMD_PID" slurmd || { dump_logs; die "slurmd died"; }
+        ((SECONDS < deadline)) || break
         sleep 0.5
     done
     sinfo >&2 || true
@@ -280,7 +304,7 @@ cmd_up() {
 
 cmd_down() {
     stop_slurm
-    stop_pid "$MUNGE_PID" munged
+    stop_pids "$MUNGE_PID:munged"
     log "stopped"
 }
 
@@ -291,6 +315,10 @@ cmd_status() {
         return 1
     fi
     sinfo || { log "slurmctld not reachable"; return 1; }
+    if [[ -e $SLURMD_PID ]] && ! pid_alive "$SLURMD_PID" slurmd; then
+        log "slurmd is not running (run: $0 up)"
+        return 1
+    fi
     state=$(node_state)
     usable "$state" || { log "node $NODE is not usable (state: '${state:-none}')"; return 1; }
 }
@@ -306,9 +334,9 @@ main() {
             "cmd_$cmd"
             ;;
         status) cmd_status ;;
-        -h | --help | help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' ;;
+        -h | --help | help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' ;;
         *)
-            sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2
+            sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
             exit 2
             ;;
     esac
