@@ -2,7 +2,8 @@
 
 Layout under ``OUT_DIR``::
 
-    checkpoints/ckpt_ep_0007.pth   full training state after epoch 7
+    checkpoints/ckpt_ep_0007.pth          full training state after epoch 7
+    checkpoints/ckpt_ep_0007_it_0120.pth  ... after 7 epochs and 120 steps
     checkpoints/last               name of the newest complete checkpoint
     best.pth                       weights of the best evaluation
 
@@ -28,11 +29,13 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
 LAST_POINTER = "last"
 BEST_WEIGHTS = "best.pth"
-_NAME = re.compile(r"^ckpt_ep_(\d+)\.pth$")
+_NAME = re.compile(r"^ckpt_ep_(\d+)(?:_it_(\d+))?\.pth$")
 
 
-def checkpoint_name(epoch: int) -> str:
-    """File name of the checkpoint taken after ``epoch`` epochs (1-based)."""
+def checkpoint_name(epoch: int, step: int = 0) -> str:
+    """Name of the checkpoint after ``epoch`` whole epochs and ``step`` more steps."""
+    if step:
+        return f"ckpt_ep_{epoch:04d}_it_{step:04d}.pth"
     return f"ckpt_ep_{epoch:04d}.pth"
 
 
@@ -61,17 +64,20 @@ def atomic_write(path: str, write) -> None:
     _fsync_dir(directory)
 
 
-def save_checkpoint(out_dir: str, epoch: int, state: dict, keep: int = 0) -> str:
-    """Write ``state`` as the checkpoint of ``epoch``, move ``last``, prune.
+def save_checkpoint(
+    out_dir: str, epoch: int, state: dict, keep: int = 0, step: int = 0
+) -> str:
+    """Write ``state`` as a checkpoint, move the ``last`` pointer, prune old ones.
 
     Args:
         out_dir: the run's OUT_DIR.
-        epoch: epochs completed (names the file).
+        epoch: whole epochs completed (names the file).
         state: anything ``torch.save`` can store with ``weights_only`` loading.
         keep: keep the newest ``keep`` checkpoints (0 keeps all).
+        step: optimizer steps done in the epoch after those (0 at an epoch end).
     """
     directory = os.path.join(out_dir, CHECKPOINT_DIR)
-    name = checkpoint_name(epoch)
+    name = checkpoint_name(epoch, step)
     atomic_write(os.path.join(directory, name), lambda f: torch.save(state, f))
     atomic_write(
         os.path.join(directory, LAST_POINTER), lambda f: f.write(name.encode() + b"\n")
@@ -87,8 +93,8 @@ def save_weights(path: str, state: dict) -> None:
     atomic_write(path, lambda f: torch.save(state, f))
 
 
-def list_checkpoints(out_dir: str) -> list[tuple[int, str]]:
-    """(epoch, path) of every checkpoint in the run, newest first (by number)."""
+def list_checkpoints(out_dir: str) -> list[tuple[tuple[int, int], str]]:
+    """((epoch, step), path) of every checkpoint in the run, newest first."""
     directory = os.path.join(out_dir, CHECKPOINT_DIR)
     if not os.path.isdir(directory):
         return []
@@ -96,7 +102,8 @@ def list_checkpoints(out_dir: str) -> list[tuple[int, str]]:
     for name in os.listdir(directory):
         match = _NAME.match(name)
         if match:
-            found.append((int(match.group(1)), os.path.join(directory, name)))
+            position = (int(match.group(1)), int(match.group(2) or 0))
+            found.append((position, os.path.join(directory, name)))
     return sorted(found, reverse=True)
 
 

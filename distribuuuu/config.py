@@ -80,6 +80,10 @@ _C.TRAIN.SPLIT = "train"
 _C.TRAIN.AUTO_RESUME = True
 # Also load the optimizer state when MODEL.WEIGHTS is a full checkpoint
 _C.TRAIN.LOAD_OPT = True
+# Resuming on another number of processes keeps the checkpoint's global batch
+# (per-process batch recomputed; it must divide): global | or keeps the
+# per-process batch and scales the learning rate with the global batch: per_rank
+_C.TRAIN.RESUME_BATCH = "global"
 # Data loader worker processes per training process (0 = load in the main one)
 _C.TRAIN.WORKERS = 0
 # Pin host memory for faster host-to-GPU copies (no effect on CPU runs)
@@ -163,6 +167,9 @@ _C.DIST.INIT_TIMEOUT = 600
 # Process layout: ddp (one process per device, started by torchrun, srun or
 # --num-procs) | dp (one process driving all visible GPUs with DataParallel)
 _C.DIST.MODE = "ddp"
+# On SIGTERM/SIGUSR1 under Slurm, after saving a checkpoint, rank 0 runs
+# "scontrol requeue $SLURM_JOB_ID"; the requeued job resumes from it
+_C.DIST.REQUEUE = False
 
 # ---------------------------------------------------------------------------- #
 # Checkpoints
@@ -170,7 +177,9 @@ _C.DIST.MODE = "ddp"
 _C.CHECKPOINT = CfgNode()
 # Save a checkpoint every this many epochs (and always after the last one)
 _C.CHECKPOINT.PERIOD = 1
-# Keep the newest this many epoch checkpoints (0 = keep all)
+# Also save every this many optimizer steps, mid-epoch included (0 = off)
+_C.CHECKPOINT.PERIOD_ITERS = 0
+# Keep the newest this many checkpoints (0 = keep all)
 _C.CHECKPOINT.KEEP = 3
 
 # ---------------------------------------------------------------------------- #
@@ -427,6 +436,7 @@ _RANGES = {
     "DIST.INIT_TIMEOUT": (lambda v: v > 0, "must be > 0 seconds"),
     "CHECKPOINT.PERIOD": (lambda v: v >= 1, "must be >= 1"),
     "CHECKPOINT.KEEP": (lambda v: v >= 0, "must be >= 0 (0 keeps all)"),
+    "CHECKPOINT.PERIOD_ITERS": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "OUT_DIR": (bool, "must name a directory"),
     "CFG_DEST": (
         lambda v: bool(v) and os.path.basename(v) == v,
@@ -441,6 +451,7 @@ _CHOICES = {
     "DIST.BACKEND": BACKENDS,
     "DIST.MODE": DIST_MODES,
     "TRAIN.MIXED_PRECISION": PRECISIONS,
+    "TRAIN.RESUME_BATCH": ("global", "per_rank"),
     "DEVICE": DEVICES,
 }
 

@@ -15,14 +15,18 @@ Every helper below works unchanged without a process group.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 # Slurm jobs without MASTER_PORT get 20000 + (job id mod this) as the port, so
 # that two jobs sharing a node do not collide.
@@ -191,8 +195,10 @@ def setup_distributed(
 
 def cleanup_distributed() -> None:
     """Leave the process group (a no-op without one)."""
+    global _CONTROL_GROUP
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _CONTROL_GROUP = None
 
 
 def is_distributed() -> bool:
@@ -236,6 +242,46 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         tensor /= dist.get_world_size()
     return tensor
+
+
+def all_reduce_max_int(value: int) -> int:
+    """The largest ``value`` over all processes (through a CPU group, so that
+    a GPU run does not wait on its CUDA stream for it)."""
+    if not is_distributed():
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control_group())
+    return int(tensor.item())
+
+
+_CONTROL_GROUP = None
+
+
+def _control_group():
+    global _CONTROL_GROUP
+    if dist.get_backend() == "gloo":
+        return None  # the default group already runs on the CPU
+    if _CONTROL_GROUP is None:  # created on first use, by every rank together
+        _CONTROL_GROUP = dist.new_group(backend="gloo")
+    return _CONTROL_GROUP
+
+
+def requeue_slurm_job() -> bool:
+    """Ask Slurm to requeue this job (``scontrol requeue $SLURM_JOB_ID``)."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        logger.warning("DIST.REQUEUE True, but this is not a Slurm job")
+        return False
+    try:
+        result = subprocess.run(
+            ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        logger.warning("could not requeue Slurm job %s: %s", job_id, error)
+        return False
+    if result.returncode != 0:
+        logger.warning("scontrol requeue %s failed: %s", job_id, result.stderr.strip())
+    return result.returncode == 0
 
 
 def all_gather_object(obj: Any) -> list[Any]:

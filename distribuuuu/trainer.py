@@ -6,8 +6,10 @@ import contextlib
 import logging
 import os
 import random
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -120,67 +122,140 @@ def _optimizer_step(model, optimizer, scaler, clip_grad_norm: float) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def train_epoch(
-    model: nn.Module,
-    loader: DataLoader,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    amp_dtype: torch.dtype | None,
-    cfg: CfgNode,
-    device: torch.device,
-    epoch: int,
-    clock: RunClock,
-    writer: MetricsWriter,
-) -> None:
-    """Train one epoch (0-based ``epoch``).
+@dataclass
+class Progress:
+    """Where the run stands; what a checkpoint must carry to continue exactly."""
 
-    Each optimizer step takes ``TRAIN.ACCUM_STEPS`` micro-batches of
-    ``TRAIN.BATCH_SIZE`` per process; DDP synchronizes gradients on the last
-    one only.  The learning rate is set before every step.  Micro-batches that
-    cannot fill a whole step at the end of the epoch are skipped.
+    epoch: int = 0  # whole epochs done
+    consumed: int = 0  # positions of this epoch's global sample order trained on
+    best_top1: float = -1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Batch geometry of this run (it may differ from cfg after a resume)."""
+
+    per_rank: int  # micro-batch per process
+    accum: int  # micro-batches per optimizer step
+    world_size: int
+    lr_scale: float = 1.0  # multiplies the scheduled learning rate
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_rank * self.accum * self.world_size
+
+
+@dataclass
+class TrainState:
+    """What a training run works on, built once by :func:`train_model`."""
+
+    model: nn.Module  # wrapped for the run (DDP, DP) and on ``device``
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    amp_dtype: torch.dtype | None  # autocast dtype; None = full precision
+    device: torch.device
+    plan: BatchPlan
+    progress: Progress
+    clock: RunClock
+    writer: MetricsWriter
+
+
+def plan_batches(cfg: CfgNode, world_size: int, saved: dict | None) -> BatchPlan:
+    """The batch plan, continuing a checkpoint's when resuming.
+
+    On another world size the global batch is kept (per-process batch
+    recomputed) unless ``TRAIN.RESUME_BATCH per_rank``, which keeps the
+    per-process batch and scales the learning rate with the global batch.
     """
-    model.train()
-    loader.sampler.set_epoch(epoch)
     accum = cfg.TRAIN.ACCUM_STEPS
-    steps = len(loader) // accum
+    if saved is None:
+        return BatchPlan(cfg.TRAIN.BATCH_SIZE, accum, world_size)
+    old_global, lr_scale = saved["global_batch"], saved["lr_scale"]
+    per_rank = saved["batch_per_rank"] * saved["accum"] // accum
+    if saved["world_size"] == world_size:
+        return BatchPlan(per_rank, accum, world_size, lr_scale)
+    if cfg.TRAIN.RESUME_BATCH == "per_rank":
+        new_global = per_rank * accum * world_size
+        plan = BatchPlan(
+            per_rank, accum, world_size, lr_scale * new_global / old_global
+        )
+    else:
+        per_rank, rest = divmod(old_global, world_size * accum)
+        if rest or per_rank < 1:
+            raise ValueError(
+                f"cannot keep the global batch {old_global} of the checkpoint on "
+                f"{world_size} processes x TRAIN.ACCUM_STEPS {accum}: it does not "
+                "divide; change the number of processes or set "
+                "TRAIN.RESUME_BATCH per_rank"
+            )
+        plan = BatchPlan(per_rank, accum, world_size, lr_scale)
+    logger.info(
+        "resuming on %d processes instead of %d: batch %d per process, global "
+        "batch %d, LR x %.4g",
+        world_size,
+        saved["world_size"],
+        plan.per_rank,
+        plan.global_batch,
+        plan.lr_scale,
+    )
+    return plan
+
+
+def train_epoch(
+    run: TrainState,
+    loader: DataLoader,
+    cfg: CfgNode,
+    after_step: Callable[[], bool] = lambda: False,
+) -> bool:
+    """Train the rest of epoch ``progress.epoch``; True if ``after_step`` stopped it.
+
+    Each optimizer step takes ``plan.accum`` micro-batches of ``plan.per_rank``
+    per process; DDP synchronizes gradients on the last one only.  The
+    learning rate is set before every step.  Micro-batches that cannot fill a
+    whole step at the end of the epoch are skipped.  ``progress.consumed``
+    advances with every step, so a checkpoint taken in ``after_step`` resumes
+    at the next unseen batch.
+    """
+    model, device, progress, plan = run.model, run.device, run.progress, run.plan
+    model.train()
+    loader.sampler.set_epoch(progress.epoch, progress.consumed)
+    first = progress.consumed // plan.global_batch
+    steps = len(loader) // plan.accum
+    total = first + steps
     meter = MetricSums(device, min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES))
     batches = iter(loader)
     data_time, window_start = 0.0, time.perf_counter()
-    for step in range(steps):
-        lr = optim.lr_at(cfg.OPTIM, epoch + step / steps)
-        optim.set_lr(optimizer, lr)
-        for micro in range(accum):
+    for step in range(first, total):
+        lr = optim.lr_at(cfg.OPTIM, progress.epoch + step / total) * plan.lr_scale
+        optim.set_lr(run.optimizer, lr)
+        for micro in range(plan.accum):
             tic = time.perf_counter()
             images, targets = next(batches)
             data_time += time.perf_counter() - tic
             images = images.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
-            sync = micro == accum - 1 or not isinstance(model, DistributedDataParallel)
+            last = micro == plan.accum - 1
+            sync = last or not isinstance(model, DistributedDataParallel)
             with contextlib.nullcontext() if sync else model.no_sync():
-                with _autocast(device, amp_dtype):
+                with _autocast(device, run.amp_dtype):
                     logits = model(images)
                     loss = F.cross_entropy(logits, targets)
-                scaler.scale(loss / accum).backward()
+                run.scaler.scale(loss / plan.accum).backward()
             meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
-        _optimizer_step(model, optimizer, scaler, cfg.OPTIM.CLIP_GRAD_NORM)
-        clock.step()
-        if (step + 1) % cfg.TRAIN.PRINT_FREQ == 0 or step + 1 == steps:
-            window_steps = step % cfg.TRAIN.PRINT_FREQ + 1
+        _optimizer_step(model, run.optimizer, run.scaler, cfg.OPTIM.CLIP_GRAD_NORM)
+        progress.consumed += plan.global_batch
+        run.clock.step()
+        if (step + 1) % cfg.TRAIN.PRINT_FREQ == 0 or step + 1 == total:
+            window_steps = (step - first) % cfg.TRAIN.PRINT_FREQ + 1
             elapsed = time.perf_counter() - window_start
-            _log_train(
-                cfg,
-                meter,
-                epoch,
-                step,
-                steps,
-                lr,
-                elapsed,
-                data_time / window_steps,
-                clock,
-                writer,
-            )
+            _log_train(cfg, meter, progress.epoch, step, total, lr, elapsed,
+                       data_time / window_steps, run.clock, run.writer)  # fmt: skip
             meter.reset()
             data_time, window_start = 0.0, time.perf_counter()
+        if after_step():
+            return True
+    return False
 
 
 def _log_train(cfg, meter, epoch, step, steps, lr, elapsed, data_time, clock, writer):
@@ -250,26 +325,36 @@ def evaluate(
     return sums.reduce()
 
 
-def _checkpoint_state(cfg, model, optimizer, scaler, epoch, best_top1, seed) -> dict:
-    return {
-        "model": unwrap_model(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(),
-        "epoch": epoch,
-        "best_top1": best_top1,
-        "seed": seed,
+def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
+    """Gather every rank's RNG state; rank 0 writes the checkpoint of the run."""
+    progress, plan = run.progress, run.plan
+    state = {
+        "model": unwrap_model(run.model).state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        "epoch": progress.epoch,
+        "consumed": progress.consumed,
+        "best_top1": progress.best_top1,
+        "seed": progress.seed,
         "rng": du.all_gather_object(cp.capture_rng_state()),
-        "world_size": du.get_world_size(),
-        "global_batch": cfg.TRAIN.BATCH_SIZE * du.get_world_size(),
+        "world_size": plan.world_size,
+        "global_batch": plan.global_batch,
+        "batch_per_rank": plan.per_rank,
+        "accum": plan.accum,
+        "lr_scale": plan.lr_scale,
         "arch": cfg.MODEL.ARCH,
         "cfg": cfg.dump(),
     }
+    if du.is_main_process():
+        step = progress.consumed // plan.global_batch
+        path = cp.save_checkpoint(
+            cfg.OUT_DIR, progress.epoch, state, cfg.CHECKPOINT.KEEP, step
+        )
+        logger.info("saved %s", path)
 
 
-def _resume_or_load(
-    cfg, model, optimizer, scaler
-) -> tuple[int, float, int | None, list | None]:
-    """Start epoch, best top-1, seed and per-rank RNG states to continue from."""
+def _resume_or_load(cfg, model, optimizer, scaler) -> tuple[Progress, dict | None]:
+    """Progress to continue from and the checkpoint resumed (None when new)."""
     if cfg.TRAIN.AUTO_RESUME:
         found = cp.find_resume_checkpoint(cfg.OUT_DIR)
         if found is not None:
@@ -278,51 +363,73 @@ def _resume_or_load(
             optimizer.load_state_dict(state["optimizer"])
             if state.get("scaler"):
                 scaler.load_state_dict(state["scaler"])
-            logger.info("resumed from %s (epoch %d done)", path, state["epoch"])
-            return state["epoch"], state["best_top1"], state["seed"], state["rng"]
+            progress = Progress(
+                state["epoch"], state["consumed"], state["best_top1"], state["seed"]
+            )
+            logger.info(
+                "resumed from %s (epoch %d done, %d samples into the next)",
+                path,
+                progress.epoch,
+                progress.consumed,
+            )
+            return progress, state
     if cfg.MODEL.WEIGHTS:
         state = cp.load_file(cfg.MODEL.WEIGHTS)
         cp.load_model_weights(unwrap_model(model), state, cfg.MODEL.WEIGHTS)
         if cfg.TRAIN.LOAD_OPT and isinstance(state, dict) and "optimizer" in state:
             optimizer.load_state_dict(state["optimizer"])
         logger.info("loaded weights from %s", cfg.MODEL.WEIGHTS)
-    return 0, -1.0, None, None
+    return Progress(), None
 
 
-def _check_loader(loader: DataLoader, cfg: CfgNode, world_size: int) -> None:
-    if len(loader) == 0:
+class StopRequest:
+    """Turns SIGTERM / SIGUSR1 (Slurm's warning before preemption or the time
+    limit) into a request that every rank agrees on at the next step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def agreed(self) -> int:
+        """The signal any rank received (0 if none): a collective call."""
+        return du.all_reduce_max_int(self.signum)
+
+    def restore(self) -> None:
+        """Put the previous signal handlers back."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _check_loader(loader: DataLoader, plan: BatchPlan) -> None:
+    if len(loader) < plan.accum:
         raise ValueError(
-            f"TRAIN.BATCH_SIZE {cfg.TRAIN.BATCH_SIZE} is larger than the "
-            f"{len(loader.sampler)} training images each of the {world_size} "
-            "processes gets; lower it"
+            f"a batch of {plan.per_rank} x {plan.accum} accumulation steps is "
+            f"larger than the {len(loader.sampler)} training images each of the "
+            f"{plan.world_size} processes gets; lower TRAIN.BATCH_SIZE"
         )
 
 
 def train_model(cfg: CfgNode) -> dict:
-    """Train ``cfg`` from scratch or from its last checkpoint; return final metrics."""
+    """Train ``cfg`` from scratch or from its last checkpoint.
+
+    Returns the final validation metrics, or ``{"stopped_by": signal number}``
+    when SIGTERM/SIGUSR1 stopped it after saving a checkpoint.
+    """
     with run_context(cfg) as (info, device):
         rank, world = info.rank, info.world_size
         if rank == 0:
             dump_cfg(cfg)
-        accum = cfg.TRAIN.ACCUM_STEPS
-        logger.info(
-            "data %s, model %s, %d process(es) x batch %d x %d accumulation "
-            "step(s) = global batch %d",
-            cfg.DATA.NAME,
-            cfg.MODEL.ARCH,
-            world,
-            cfg.TRAIN.BATCH_SIZE,
-            accum,
-            world * cfg.TRAIN.BATCH_SIZE * accum,
-        )
         seed = resolve_seed(cfg.RNG_SEED)
         seed_everything(seed + rank)
-        train_set, val_set = (
-            build_dataset(cfg, train=True),
-            build_dataset(cfg, train=False),
-        )
+        train_set, val_set = build_dataset(cfg, True), build_dataset(cfg, False)
         logger.info(
-            "train images %d, val images %d, classes %d",
+            "data %s: train images %d, val images %d, classes %d",
+            cfg.DATA.NAME,
             len(train_set),
             len(val_set),
             len(train_set.classes),
@@ -333,98 +440,125 @@ def train_model(cfg: CfgNode) -> dict:
         amp_dtype, use_scaler = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
         scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
         # Every rank loads the same file, so the replicas stay identical.
-        start_epoch, best_top1, saved_seed, rng = _resume_or_load(
-            cfg, model, optimizer, scaler
+        progress, saved = _resume_or_load(cfg, model, optimizer, scaler)
+        progress.seed = seed if saved is None else progress.seed
+        logger.info(
+            "seed %d%s", progress.seed, " (picked at random)" * (cfg.RNG_SEED is None)
         )
-        seed = seed if saved_seed is None else saved_seed
-        logger.info("seed %d%s", seed, " (picked at random)" * (cfg.RNG_SEED is None))
-        train_loader = build_train_loader(cfg, train_set, rank, world, seed, device)
+        plan = plan_batches(cfg, world, saved)
+        logger.info(
+            "model %s; %d process(es) x batch %d x %d accumulation step(s) "
+            "= global batch %d",
+            cfg.MODEL.ARCH,
+            world,
+            plan.per_rank,
+            plan.accum,
+            plan.global_batch,
+        )
+        train_loader = build_train_loader(
+            cfg, train_set, rank, world, progress.seed, device, plan.per_rank
+        )
         val_loader = build_test_loader(cfg, val_set, rank, world, device)
-        _check_loader(train_loader, cfg, world)
-        if rng is not None and len(rng) == world:
-            cp.restore_rng_state(rng[rank])
-        elif rng is not None:
-            seed_everything(seed + rank + 1_000 * start_epoch)
+        _check_loader(train_loader, plan)
+        if saved is not None and len(saved["rng"]) == world:
+            cp.restore_rng_state(saved["rng"][rank])
+        steps_per_epoch = len(train_loader) // plan.accum
+        clock = RunClock(
+            cfg.OPTIM.MAX_EPOCH * steps_per_epoch,
+            progress.epoch * steps_per_epoch + progress.consumed // plan.global_batch,
+        )
         writer = MetricsWriter(cfg.OUT_DIR, enabled=rank == 0)
-        topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
-        iters = len(train_loader) // accum
-        clock = RunClock(cfg.OPTIM.MAX_EPOCH * iters, start_epoch * iters)
-        stats = {}
+        run = TrainState(model, optimizer, scaler, amp_dtype, device, plan, progress,
+                         clock, writer)  # fmt: skip
+        stop = StopRequest()
         try:
-            for epoch in range(start_epoch, cfg.OPTIM.MAX_EPOCH):
-                train_epoch(
-                    model, train_loader, optimizer, scaler, amp_dtype, cfg, device,
-                    epoch, clock, writer,
-                )  # fmt: skip
-                stats = evaluate(
-                    model, val_loader, device, topk, cfg.TEST.PRINT_FREQ, amp_dtype
-                )
-                best_top1 = _after_epoch(
-                    cfg,
-                    model,
-                    optimizer,
-                    scaler,
-                    epoch,
-                    stats,
-                    best_top1,
-                    seed,
-                    world,
-                    writer,
-                )
+            return _train_epochs(cfg, run, train_loader, val_loader, stop)
         finally:
+            stop.restore()
             writer.close()
-        if not stats:
-            logger.info("nothing to do: %d epochs already done", start_epoch)
-        return stats
 
 
-def _after_epoch(
-    cfg, model, optimizer, scaler, epoch, stats, best_top1, seed, world, writer
-):
-    """Log the evaluation, save best and periodic checkpoints; return best top-1."""
+def _train_epochs(
+    cfg: CfgNode,
+    run: TrainState,
+    train_loader: DataLoader,
+    val_loader: DataLoader,
+    stop: StopRequest,
+) -> dict:
+    """The epoch loop of :func:`train_model`: train, evaluate, save."""
+    progress, period = run.progress, cfg.CHECKPOINT.PERIOD_ITERS
+    stopped_by = 0
+
+    def after_step() -> bool:
+        nonlocal stopped_by
+        stopped_by = stop.agreed()
+        if stopped_by or (period and run.clock.done_iters % period == 0):
+            save_training_checkpoint(cfg, run)
+        return bool(stopped_by)
+
     topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
-    is_best = stats["top1"] > best_top1
-    best_top1 = max(best_top1, stats["top1"])
+    stats: dict = {}
+    while progress.epoch < cfg.OPTIM.MAX_EPOCH:
+        if train_epoch(run, train_loader, cfg, after_step):
+            return _stopped(cfg, stopped_by)
+        stats = evaluate(run.model, val_loader, run.device, topk,
+                         cfg.TEST.PRINT_FREQ, run.amp_dtype)  # fmt: skip
+        stats["train_samples"] = progress.consumed  # over restarts, if any
+        progress.epoch, progress.consumed = progress.epoch + 1, 0
+        _log_eval_and_save(cfg, run.model, stats, progress, run.plan.world_size,
+                           run.writer)  # fmt: skip
+        last = progress.epoch == cfg.OPTIM.MAX_EPOCH
+        stopped_by = stop.agreed()
+        if stopped_by or last or progress.epoch % cfg.CHECKPOINT.PERIOD == 0:
+            save_training_checkpoint(cfg, run)
+        if stopped_by:
+            return _stopped(cfg, stopped_by)
+    if not stats:
+        logger.info("nothing to do: %d epochs already done", progress.epoch)
+    return stats
+
+
+def _stopped(cfg: CfgNode, signum: int) -> dict:
+    name = signal.Signals(signum).name
+    logger.info("stopped by %s after saving a checkpoint", name)
+    if cfg.DIST.REQUEUE and du.is_main_process() and du.requeue_slurm_job():
+        logger.info("requeued the Slurm job: it resumes from the checkpoint")
+    return {"stopped_by": signum}
+
+
+def _log_eval_and_save(cfg, model, stats, progress, world, writer) -> None:
+    """Log an evaluation (1-based epoch ``progress.epoch``); save best weights."""
+    topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
+    is_best = stats["top1"] > progress.best_top1
+    progress.best_top1 = max(progress.best_top1, stats["top1"])
+    epoch = progress.epoch
     logger.info(
         "val ep %d/%d  loss %.4f  top1 %.2f  top%d %.2f  samples %d  best %.2f",
-        epoch + 1,
+        epoch,
         cfg.OPTIM.MAX_EPOCH,
         stats["loss"],
         stats["top1"],
         topk,
         stats["topk"],
         stats["samples"],
-        best_top1,
+        progress.best_top1,
     )
-    record = {"split": "val", "epoch": epoch + 1, "world_size": world, **stats}
+    record = {"split": "val", "epoch": epoch, "world_size": world, **stats}
     scalars = {
         "val/loss": stats["loss"],
         "val/top1": stats["top1"],
         "val/topk": stats["topk"],
     }
-    writer.write(record, scalars, epoch + 1)
-    last = epoch + 1 == cfg.OPTIM.MAX_EPOCH
-    if (epoch + 1) % cfg.CHECKPOINT.PERIOD == 0 or last:
-        state = _checkpoint_state(
-            cfg, model, optimizer, scaler, epoch + 1, best_top1, seed
-        )
-        if du.is_main_process():
-            path = cp.save_checkpoint(
-                cfg.OUT_DIR, epoch + 1, state, cfg.CHECKPOINT.KEEP
-            )
-            logger.info("saved %s", path)
+    writer.write(record, scalars, epoch)
     if is_best and du.is_main_process():
-        cp.save_weights(
-            os.path.join(cfg.OUT_DIR, cp.BEST_WEIGHTS),
-            {
-                "model": unwrap_model(model).state_dict(),
-                "epoch": epoch + 1,
-                "top1": stats["top1"],
-                "arch": cfg.MODEL.ARCH,
-                "cfg": cfg.dump(),
-            },
-        )
-    return best_top1
+        weights = {
+            "model": unwrap_model(model).state_dict(),
+            "epoch": epoch,
+            "top1": stats["top1"],
+            "arch": cfg.MODEL.ARCH,
+            "cfg": cfg.dump(),
+        }
+        cp.save_weights(os.path.join(cfg.OUT_DIR, cp.BEST_WEIGHTS), weights)
 
 
 def _eval_weights_path(cfg: CfgNode) -> str:

@@ -41,7 +41,7 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, **kwargs)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {cmd}\n{out[-3000:]}\n{err[-3000:]}")
     finally:
@@ -64,10 +64,40 @@ def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
     )
 
 
-def kill_session(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc``'s whole process group and reap ``proc``."""
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every descendant.
+
+    torchrun starts its workers in sessions of their own, so killing the
+    launcher's group alone would leave them running.
+    """
+    for target in [pid, *_descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and all it started, and reap ``proc``."""
+    kill_tree(proc.pid)
     proc.communicate()
 
 

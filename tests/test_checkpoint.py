@@ -29,7 +29,9 @@ def test_save_moves_last_and_keeps_newest(tmp_path):
 def test_numbers_sort_as_numbers_not_text(tmp_path):
     cp.save_checkpoint(str(tmp_path), 9, _state(9))
     cp.save_checkpoint(str(tmp_path), 10000, _state(10000))
-    assert [e for e, _ in cp.list_checkpoints(str(tmp_path))] == [10000, 9]
+    cp.save_checkpoint(str(tmp_path), 9, _state(9), step=30)
+    positions = [p for p, _ in cp.list_checkpoints(str(tmp_path))]
+    assert positions == [(10000, 0), (9, 30), (9, 0)]
 
 
 def test_truncated_newest_is_skipped(tmp_path, caplog):

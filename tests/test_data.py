@@ -7,9 +7,18 @@ import torch
 from PIL import Image
 
 from distribuuuu.config import load_cfg
-from distribuuuu.data import build_dataset, build_test_loader, build_train_loader
+from distribuuuu.data import (
+    SeededDataset,
+    build_dataset,
+    build_test_loader,
+    build_train_loader,
+)
 from distribuuuu.data.datasets import load_mnist5k
-from distribuuuu.data.samplers import ExactShardSampler
+from distribuuuu.data.samplers import (
+    ExactShardSampler,
+    ResumableTrainSampler,
+    sample_seed,
+)
 
 
 def test_mnist5k_split_is_fixed_balanced_and_disjoint():
@@ -64,12 +73,41 @@ def test_loaders_shard_without_overlap():
     cpu = torch.device("cpu")
     counts = [len(build_test_loader(cfg, val_set, r, 3, cpu).sampler) for r in range(3)]
     assert sum(counts) == 11
-    loader = build_train_loader(cfg, train_set, 1, 2, seed=3, device=cpu)
+    loader = build_train_loader(cfg, train_set, 1, 2, seed=3, device=cpu, batch_size=4)
     loader.sampler.set_epoch(0)
     first = list(loader.sampler)
     loader.sampler.set_epoch(1)
     assert list(loader.sampler) != first
     assert len(loader) == 20 // 4
+
+
+@pytest.mark.parametrize("size", [12, 13, 40])
+def test_train_order_resumes_on_any_world_size(size):
+    def shard(world: int, start: int) -> list[int]:
+        order = []
+        for rank in range(world):
+            sampler = ResumableTrainSampler(size, rank, world, seed=5)
+            sampler.set_epoch(2, start)
+            assert len(list(sampler)) == len(sampler)
+            order += [index for index, _ in sampler]
+        return order
+
+    full = shard(1, 0)
+    assert sorted(full) == list(range(size))
+    # 2 processes consume the first 6 positions, 3 processes continue: together
+    # they see every sample of the epoch once (up to the padding).
+    seen = full[:6] + shard(3, 6)
+    assert set(seen) == set(range(size)) and len(seen) <= size + 2
+    assert set(shard(2, 0)) == set(range(size))
+
+
+def test_augmentation_depends_on_seed_epoch_and_index_only():
+    cfg = load_cfg()
+    dataset = SeededDataset(build_dataset(cfg, train=True))
+    a = dataset[(7, sample_seed(1, 0, 7))][0]
+    torch.rand(100)  # disturbing the global generator changes nothing
+    assert torch.equal(a, dataset[(7, sample_seed(1, 0, 7))][0])
+    assert not torch.equal(a, dataset[(7, sample_seed(1, 1, 7))][0])
 
 
 def test_synthetic_images_are_deterministic():

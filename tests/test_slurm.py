@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import FAST, TRAIN_NET, assert_ok, read_metrics, read_text, run, train_net
@@ -98,3 +99,60 @@ def test_srun_three_tasks_evaluate_like_one_process(tmp_path):
     assert three["samples"] == one["samples"] == 1000
     assert (three["top1"], three["topk"]) == (one["top1"], one["topk"])
     assert three["loss"] == pytest.approx(one["loss"], rel=1e-6)
+
+
+def test_sbatch_job_signalled_with_usr1_requeues_itself_and_finishes(tmp_path):
+    out = tmp_path / "run"
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--gres=none",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        "--time=10",
+        f"--output={tmp_path}/slurm-%j.out",
+        "tools/slurm_train.sh",
+        *FAST,
+        "OPTIM.MAX_EPOCH",
+        "2",
+        "DIST.REQUEUE",
+        "True",
+        "OUT_DIR",
+        str(out),
+    ]
+    submitted = run(cmd, timeout=60, env={"PYTHON": sys.executable})
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        log = out / "log.txt"
+        deadline = time.time() + 240
+        while time.time() < deadline and not (
+            log.exists() and "train ep 1/2 it 20/" in log.read_text()
+        ):
+            time.sleep(0.2)
+        assert run(["scancel", "--signal=USR1", job], timeout=30).returncode == 0
+        # Slurm holds a requeued job back for a while (BeginTime); start it now.
+        while time.time() < deadline:
+            state = run(["squeue", "-h", "-j", job, "-o", "%T"], timeout=30).stdout
+            if state.strip() == "PENDING":
+                run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
+                break
+            time.sleep(0.2)
+        deadline = time.time() + 400
+        while (
+            time.time() < deadline
+            and not (out / "checkpoints" / "ckpt_ep_0002.pth").exists()
+        ):
+            time.sleep(0.5)
+        while (
+            time.time() < deadline
+            and job in run(["squeue", "-h", "-o", "%i"], timeout=30).stdout.split()
+        ):
+            time.sleep(0.5)
+    finally:
+        run(["scancel", job], timeout=30)
+    text = log.read_text()
+    assert "stopped by SIGUSR1 after saving a checkpoint" in text
+    assert "requeued the Slurm job" in text
+    assert "resumed from" in text
+    assert [r["epoch"] for r in read_metrics(str(out), "val")] == [1, 2]

@@ -21,11 +21,11 @@
 #SBATCH --output=slurm-%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --requeue
-# Preemption / time limit: Slurm can warn the tasks ahead of the end with
-#   #SBATCH --signal=USR1@120
-# Enable it only together with a trainer that checkpoints on SIGUSR1; today
-# the signal would end the tasks early. Resuming works either way: a requeued
-# job runs the same command and continues from OUT_DIR/checkpoints/last.
+# 120 s before the time limit (or on preemption with a grace time), Slurm sends
+# SIGUSR1 to the tasks: every rank finishes its step, a checkpoint is saved and
+# the job stops; add DIST.REQUEUE True to the arguments and rank 0 also
+# requeues the job, which then resumes from that checkpoint by itself.
+#SBATCH --signal=USR1@120
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
 echo "job ${SLURM_JOB_ID:-?}: ${SLURM_NNODES:-1} node(s) ${SLURM_JOB_NODELIST:-?}," \

@@ -87,7 +87,9 @@ def _run_rank(cfg, eval_only: bool) -> None:
     from distribuuuu import trainer  # imports torch: after the config checks
 
     if not eval_only:
-        trainer.train_model(cfg)
+        stats = trainer.train_model(cfg)
+        if "stopped_by" in stats:  # SIGTERM/SIGUSR1: saved, not finished
+            raise SystemExit(128 + stats["stopped_by"])
         return
     stats = trainer.test_model(cfg)
     if _is_rank_zero():

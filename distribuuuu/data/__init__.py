@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 from yacs.config import CfgNode
 
 from distribuuuu.data import datasets as ds
 from distribuuuu.data.datasets import DataError
-from distribuuuu.data.samplers import ExactShardSampler
+from distribuuuu.data.samplers import ExactShardSampler, ResumableTrainSampler
 from distribuuuu.data.transforms import imagenet_transforms, small_image_transforms
 
 __all__ = [
@@ -125,6 +125,25 @@ def _loader_kwargs(cfg: CfgNode, device: torch.device) -> dict:
     }
 
 
+class SeededDataset(Dataset):
+    """Serves ``(index, seed)`` requests: seeds torch's CPU generator, then loads.
+
+    The transforms draw their randomness from torch's default generator, so a
+    sample's augmentation is fixed by its seed (cheap: about 1 us a sample).
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int]):
+        index, seed = item
+        torch.default_generator.manual_seed(seed)
+        return self.dataset[index]
+
+
 def build_train_loader(
     cfg: CfgNode,
     dataset: Dataset,
@@ -132,22 +151,22 @@ def build_train_loader(
     world_size: int,
     seed: int,
     device: torch.device,
+    batch_size: int,
 ) -> DataLoader:
-    """Shuffled, sharded training loader; call ``sampler.set_epoch`` each epoch.
+    """Shuffled, sharded training loader of ``batch_size`` per rank.
 
-    Each rank sees ``len(dataset) / world_size`` samples per epoch (padded by
-    DistributedSampler to divide evenly) and the last incomplete batch is
-    dropped, so every optimizer step has ``TRAIN.BATCH_SIZE`` samples per rank
-    (BatchNorm needs more than one sample per batch).
+    Call ``loader.sampler.set_epoch(epoch, start)`` before each epoch. The
+    last incomplete batch of a rank is dropped, so that every optimizer step
+    has the same size (BatchNorm also needs more than one sample).
     """
-    sampler = DistributedSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed
-    )
+    sampler = ResumableTrainSampler(len(dataset), rank, world_size, seed)
     return DataLoader(
-        dataset,
-        batch_size=cfg.TRAIN.BATCH_SIZE,
+        SeededDataset(dataset),
+        batch_size=batch_size,
         sampler=sampler,
         drop_last=True,
+        # Its own generator: creating an iterator leaves the global RNG alone.
+        generator=torch.Generator().manual_seed(seed),
         **_loader_kwargs(cfg, device),
     )
 
