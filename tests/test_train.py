@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 import pytest
@@ -144,7 +143,10 @@ def test_local_rank_argument_forms():
     assert (args.local_rank, args.cfg_file, args.opts) == (3, "x.yaml", ["A", "1"])
 
 
-@pytest.mark.skipif(shutil.which("distribuuuu-train") is None, reason="not installed")
+CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "distribuuuu-train")
+
+
+@pytest.mark.skipif(not os.path.exists(CONSOLE_SCRIPT), reason="not pip-installed")
 def test_console_script_is_the_same_entry():
-    result = run(["distribuuuu-train", "OPTIM.BASE_LR", "fast"], timeout=120)
+    result = run([CONSOLE_SCRIPT, "OPTIM.BASE_LR", "fast"], timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: OPTIM.BASE_LR")
