@@ -13,7 +13,6 @@ import time
 import pytest
 from conftest import (
     FAST,
-    REPO,
     TRAIN_NET,
     assert_ok,
     free_port,
@@ -142,28 +141,19 @@ def test_killed_rank_makes_its_peer_exit_within_the_timeout(tmp_path):
             kill_session(proc)
 
 
+def _join_alone(rank: int, port: int, out_dir) -> subprocess.CompletedProcess:
+    """Start rank ``rank`` of 2 with no peer, against master 127.0.0.1:``port``."""
+    env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}  # fmt: skip
+    cmd = [sys.executable, TRAIN_NET, *ONE_EPOCH, "DIST.INIT_TIMEOUT", "5",
+           "OUT_DIR", str(out_dir)]  # fmt: skip
+    return run(cmd, env=env, timeout=120)
+
+
 def test_unreachable_master_is_a_clear_error_within_the_timeout(tmp_path):
     port = free_port()  # nobody listens there
-    env = {
-        "RANK": "1",
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
     began = time.time()
-    result = run(
-        [
-            sys.executable,
-            TRAIN_NET,
-            *ONE_EPOCH,
-            "DIST.INIT_TIMEOUT",
-            "5",
-            "OUT_DIR",
-            str(tmp_path),
-        ],
-        env=env,
-        timeout=120,
-    )
+    result = _join_alone(1, port, tmp_path)
     assert result.returncode == 1
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("error: rank 1 of 2 could not join")
@@ -176,25 +166,7 @@ def test_taken_port_is_a_clear_error(tmp_path):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        env = {
-            "RANK": "0",
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        result = run(
-            [
-                sys.executable,
-                TRAIN_NET,
-                *ONE_EPOCH,
-                "DIST.INIT_TIMEOUT",
-                "5",
-                "OUT_DIR",
-                str(tmp_path),
-            ],
-            env=env,
-            timeout=120,
-        )
+        result = _join_alone(0, port, tmp_path)
     assert result.returncode == 1
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("error: rank 0 of 2 could not join") and str(port) in line
@@ -218,16 +190,7 @@ def test_two_node_torchrun_on_one_machine(tmp_path):
             "OUT_DIR",
             str(tmp_path),
         ]
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )
-        )
+        procs.append(start(cmd))
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=300)
