@@ -6,11 +6,12 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from distribuuuu.launch import find_free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_NET = os.path.join(REPO, "tools", "train_net.py")
@@ -20,9 +21,7 @@ FAST = ["MODEL.ARCH", "resnet8", "TRAIN.PRINT_FREQ", "20"]
 
 def free_port() -> int:
     """A TCP port that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return find_free_port()
 
 
 def run(cmd: list[str], timeout: float = 300, env: dict | None = None, **kwargs):
@@ -64,16 +63,24 @@ def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
     )
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
+def process_table() -> list[tuple[int, int, int, str]]:
+    """(pid, parent pid, session id, state) of every process, from /proc."""
+    table = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
                 continue
-            children.setdefault(ppid, []).append(int(entry))
+            table.append((int(entry), int(fields[1]), int(fields[3]), fields[0]))
+    return table
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for child, parent, _, _ in process_table():
+        children.setdefault(parent, []).append(child)
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

@@ -3,6 +3,7 @@ failure behaviour (dead peers, unreachable master, taken port)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ from conftest import (
     assert_ok,
     free_port,
     kill_session,
+    process_table,
     read_metrics,
     read_text,
     run,
@@ -29,35 +31,18 @@ ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]
 
 def _session_processes(session_id: int) -> list[int]:
     """Live processes of a session (what start_new_session=True created)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, sid = fields[0], int(fields[3])
-        if sid == session_id and state != "Z":
-            found.append(int(entry))
-    return found
+    return [
+        p for p, _, sid, state in process_table() if sid == session_id and state != "Z"
+    ]
 
 
 def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the children of ``pid``."""
     out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if ppid == pid:
-            out.append((int(entry), cmdline))
+    for child, parent, _, _ in process_table():
+        if parent == pid:
+            with contextlib.suppress(OSError):
+                out.append((child, read_text("/proc", str(child), "cmdline")))
     return out
 
 
