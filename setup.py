@@ -31,6 +31,11 @@ setup(
         "timm": ["timm"],
     },
     entry_points={
-        "console_scripts": ["distribuuuu-train=distribuuuu.tools.train_net:main"],
+        "console_scripts": [
+            "distribuuuu-train=distribuuuu.tools.train_net:main",
+            "distribuuuu-inspect=distribuuuu.tools.inspect_ckpt:main",
+            "distribuuuu-export=distribuuuu.tools.export:main",
+            "distribuuuu-predict=distribuuuu.tools.predict:main",
+        ],
     },
 )

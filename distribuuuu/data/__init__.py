@@ -6,8 +6,10 @@ import os
 
 import torch
 from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
 from yacs.config import CfgNode
 
+from distribuuuu.config import resolve_data_name
 from distribuuuu.data import datasets as ds
 from distribuuuu.data.datasets import DataError
 from distribuuuu.data.samplers import ExactShardSampler, ResumableTrainSampler
@@ -16,48 +18,76 @@ from distribuuuu.data.transforms import imagenet_transforms, small_image_transfo
 __all__ = [
     "DataError",
     "build_dataset",
+    "build_test_transform",
     "build_train_loader",
     "build_test_loader",
     "check_data",
 ]
 
 
+# DATA.NAME -> (native image size, mean, std, horizontal flip in training) of
+# the data sets held as small uint8 tensors; synthetic images are made at
+# TRAIN.IM_SIZE with ImageNet statistics.
+_SMALL_IMAGES = {
+    "mnist5k": (28, ds.MNIST_MEAN, ds.MNIST_STD, False),
+    "cifar10": (32, ds.CIFAR10_MEAN, ds.CIFAR10_STD, True),
+    "cifar100": (32, ds.CIFAR100_MEAN, ds.CIFAR100_STD, True),
+}
+
+
+def _transform(cfg: CfgNode, name: str, train: bool) -> v2.Compose:
+    """The train or eval transform of data set ``name`` (images as it serves them)."""
+    size = cfg.TRAIN.IM_SIZE
+    if name == "imagefolder":
+        return imagenet_transforms(
+            train, size, cfg.TEST.IM_SIZE, ds.IMAGENET_MEAN, ds.IMAGENET_STD
+        )
+    native, mean, std, flip = _SMALL_IMAGES.get(
+        name, (size, ds.IMAGENET_MEAN, ds.IMAGENET_STD, True)
+    )
+    return small_image_transforms(train, size, native, mean, std, flip)
+
+
+def build_test_transform(cfg: CfgNode) -> v2.Compose:
+    """The evaluation transform of cfg's data set for an RGB PIL image of any size.
+
+    For the data sets served as small tensors (digits, CIFAR, synthetic) the
+    image is first resized and centre-cropped to TRAIN.IM_SIZE, which leaves
+    an image of that size untouched; grey images read as RGB have 3 equal
+    channels, as the data sets serve them.
+    """
+    name = resolve_data_name(cfg)
+    transform = _transform(cfg, name, train=False)
+    if name == "imagefolder":
+        return transform
+    size = cfg.TRAIN.IM_SIZE
+    resize = [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
+    return v2.Compose([v2.PILToTensor(), *resize, transform])
+
+
 def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
     """The train or validation data set named by ``cfg.DATA.NAME`` (resolved)."""
     name = cfg.DATA.NAME
-    size = cfg.TRAIN.IM_SIZE
+    transform = _transform(cfg, name, train)
     if name == "mnist5k":
         images, labels = ds.load_mnist5k(train)
-        transform = small_image_transforms(
-            train, size, 28, ds.MNIST_MEAN, ds.MNIST_STD, flip=False
-        )
         classes = [str(digit) for digit in range(10)]
         return ds.TensorImageDataset(images, labels, classes, transform)
     if name in ("cifar10", "cifar100"):
         root = cfg.TRAIN.DATASET if train else cfg.TEST.DATASET
         images, labels, classes = ds.load_cifar(name, root, train, cfg.DATA.DOWNLOAD)
-        mean, std = (
-            (ds.CIFAR10_MEAN, ds.CIFAR10_STD)
-            if name == "cifar10"
-            else (ds.CIFAR100_MEAN, ds.CIFAR100_STD)
-        )
-        transform = small_image_transforms(train, size, 32, mean, std, flip=True)
         return ds.TensorImageDataset(images, labels, classes, transform)
     if name == "imagefolder":
-        transform = imagenet_transforms(
-            train, size, cfg.TEST.IM_SIZE, ds.IMAGENET_MEAN, ds.IMAGENET_STD
-        )
         path, key = _image_folder(cfg, train)
         dataset = ds.CheckedImageFolder(path, transform, key)
         _check_class_count(key, path, len(dataset.classes), cfg.MODEL.NUM_CLASSES)
         return ds.SkipUnreadable(dataset) if cfg.DATA.SKIP_CORRUPT else dataset
     if name == "synthetic":
         count = cfg.DATA.SYNTHETIC_SIZE[0 if train else 1]
-        transform = small_image_transforms(
-            train, size, size, ds.IMAGENET_MEAN, ds.IMAGENET_STD, flip=True
-        )
         seed = 0 if train else 1
-        return ds.SyntheticDataset(count, size, cfg.MODEL.NUM_CLASSES, seed, transform)
+        return ds.SyntheticDataset(
+            count, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed, transform
+        )
     raise ValueError(f"unknown DATA.NAME {name!r}")
 
 
