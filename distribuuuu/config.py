@@ -14,9 +14,13 @@ from __future__ import annotations
 import ast
 import contextlib
 import difflib
+import inspect
 import logging
 import os
+import re
+import sys
 import tempfile
+import textwrap
 from typing import Any
 
 import yaml
@@ -589,11 +593,19 @@ def _write_probe(directory: str) -> None:
         os.remove(probe)
 
 
-def check_out_dir(out_dir: str) -> None:
+def _remove_dirs(created: list[str]) -> None:
+    """Remove the directories of :func:`_missing_dirs`, innermost first."""
+    for directory in reversed(created):
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
+def check_out_dir(out_dir: str, keep: bool = True) -> None:
     """Create ``out_dir`` and prove it writable (write, fsync, delete a probe).
 
     Raises a ConfigError naming the directory and the reason (no space, no
-    permission, a file in the way, ...); directories it created are removed.
+    permission, a file in the way, ...); directories it created are removed,
+    and also after success unless ``keep``.
     """
     created = _missing_dirs(out_dir)
     nearest = os.path.dirname(created[0]) if created else os.path.abspath(out_dir)
@@ -604,11 +616,11 @@ def check_out_dir(out_dir: str) -> None:
         os.makedirs(out_dir, exist_ok=True)
         _write_probe(out_dir)
     except OSError as error:
-        for directory in reversed(created):
-            with contextlib.suppress(OSError):
-                os.rmdir(directory)
+        _remove_dirs(created)
         reason = error.strerror or str(error)
         raise ConfigError(f"OUT_DIR {out_dir}: cannot write there: {reason}") from error
+    if not keep:
+        _remove_dirs(created)
 
 
 def dump_cfg(cfg: CfgNode, out_dir: str | None = None) -> str:
@@ -621,3 +633,167 @@ def dump_cfg(cfg: CfgNode, out_dir: str | None = None) -> str:
         f.write(cfg.dump())
     os.replace(tmp, path)
     return path
+
+
+def _yaml_value(value: Any) -> str:
+    """``value`` as one line of yaml: ``null``, ``''``, ``0.1``, ``[1, 2]``, ..."""
+    return yaml.safe_dump([value], default_flow_style=True, width=2**16).strip()[1:-1]
+
+
+def flat_cfg(cfg: CfgNode) -> dict[str, Any]:
+    """Every key of ``cfg`` (dotted) with its value, in the tree's order."""
+    return {key: _get(cfg, key) for key in _all_keys(cfg)}
+
+
+def diff_from_defaults(cfg: CfgNode) -> list[tuple[str, Any, Any]]:
+    """``(key, value, default)`` of every key whose value is not the default.
+
+    Keys unknown to the defaults (a cfg of another version) have default None.
+    """
+    return [
+        (key, value, _default_or_none(key))
+        for key, value in flat_cfg(cfg).items()
+        if value != _default_or_none(key)
+    ]
+
+
+def format_cfg(cfg: CfgNode) -> str:
+    """``cfg`` as yaml (loadable with --cfg), each non-default value marked.
+
+    A changed value ends with ``# default: <value>``.
+    """
+    changed = {key: default for key, _, default in diff_from_defaults(cfg)}
+    lines = []
+
+    def emit(node: CfgNode, prefix: str, indent: str) -> None:
+        for name in sorted(node):
+            value, key = node[name], prefix + name
+            if isinstance(value, CfgNode):
+                lines.append(f"{indent}{name}:")
+                emit(value, key + ".", indent + "  ")
+                continue
+            line = f"{indent}{name}: {_yaml_value(value)}"
+            if key in changed:
+                line += f"  # default: {_yaml_value(changed[key])}"
+            lines.append(line)
+
+    emit(cfg, "", "")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- #
+# Config reference: every key with its default and comment (--help-config)
+# ---------------------------------------------------------------------------- #
+_BANNER = re.compile(r"#\s*-{3}")
+# A space before a word that would start a Markdown block (list item, heading,
+# quote, fence, underline) if a wrapped line began with it.
+_BLOCK_WORD = re.compile(r" (?=(?:[-+*=]+|#+|\d+[.)]|>\S*|~~~\S*)(?: |$))")
+_REFERENCE_WIDTH = 88
+
+
+def _target_key(target: ast.expr) -> str | None:
+    """``MODEL.ARCH`` for the assignment target ``_C.MODEL.ARCH``, else None."""
+    names: list[str] = []
+    while isinstance(target, ast.Attribute):
+        names.insert(0, target.attr)
+        target = target.value
+    if names and isinstance(target, ast.Name) and target.id == "_C":
+        return ".".join(names)
+    return None
+
+
+def _comment_above(lines: list[str], index: int) -> str:
+    """The ``#`` lines right above ``lines[index]``, joined; banners do not count."""
+    parts: list[str] = []
+    while index > 0:
+        line = lines[index - 1].strip()
+        if not line.startswith("#") or _BANNER.match(line):
+            break
+        parts.insert(0, line.lstrip("#").strip())
+        index -= 1
+    return " ".join(part for part in parts if part)
+
+
+def _key_comments(source: str) -> dict[str, str]:
+    """Map the key of every ``_C.KEY = value`` line of ``source`` to its comment."""
+    lines = source.splitlines()
+    comments = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            key = _target_key(node.targets[0])
+            if key is not None:
+                comments[key] = _comment_above(lines, node.lineno - 1)
+    return comments
+
+
+def describe_keys(
+    defaults: CfgNode | None = None, source: str | None = None
+) -> list[tuple[str, Any, str]]:
+    """``(key, default, comment)`` for every key of the defaults, in file order.
+
+    Args:
+        defaults: the tree to describe; the defaults ``_C`` when None.
+        source: Python source with a ``_C.KEY = value`` line for every key, under
+            its ``# ...`` comment lines; the source of this module when None.
+
+    Raises ValueError for a key without a comment: a developer's mistake.
+    """
+    defaults = _C if defaults is None else defaults
+    if source is None:
+        source = inspect.getsource(sys.modules[__name__])
+    comments = _key_comments(source)
+    described = []
+    for key in _all_keys(defaults):
+        if not comments.get(key):
+            raise ValueError(
+                f"config key {key} has no comment: put '# ...' lines describing it "
+                f"right above '_C.{key} = ...' in {__name__}"
+            )
+        described.append((key, _get(defaults, key), comments[key]))
+    return described
+
+
+def _markdown_text(text: str) -> str:
+    """``text`` for Markdown: quoted and ``*`` words as code; ``\\ ` < $`` escaped."""
+    parts = re.split(r'"([^"\s][^"]*)"', text)
+    for index, part in enumerate(parts):
+        if index % 2:
+            parts[index] = f"`{part}`"
+        else:
+            part = re.sub(r"([\\`<$])", r"\\\1", part)
+            parts[index] = re.sub(r"[\w./-]*\*[\w./*-]*", r"`\g<0>`", part)
+    return "".join(parts)
+
+
+def _reference_item(key: str, default: Any, comment: str) -> list[str]:
+    """The wrapped Markdown list item of one key: name, default, comment, choices."""
+    text = _markdown_text(comment)
+    if not text.endswith((".", "?", "!")):
+        text += "."
+    if key in _CHOICES:
+        choices = ", ".join(f"`{_yaml_value(choice)}`" for choice in _CHOICES[key])
+        text += f" Choices: {choices}."
+    item = f"- `{key}` = `{_yaml_value(default)}`: {text}"
+    lines = textwrap.wrap(
+        _BLOCK_WORD.sub("\0", item),  # glued: such a word never begins a line
+        width=_REFERENCE_WIDTH,
+        subsequent_indent="  ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+    return [line.replace("\0", " ") for line in lines]
+
+
+def format_config_reference() -> str:
+    """Every config key with its default and comment, as Markdown (--help-config).
+
+    A ``### SECTION`` heading per section (top-level keys last) and a list item
+    per key, wrapped at 88 columns: it reads in a terminal and is embedded
+    verbatim in README.md ("Config reference").
+    """
+    sections: dict[str, list[str]] = {}
+    for key, default, comment in describe_keys():
+        section = key.rpartition(".")[0] or "Top level"
+        sections.setdefault(section, []).extend(_reference_item(key, default, comment))
+    blocks = [f"### {name}\n\n" + "\n".join(lines) for name, lines in sections.items()]
+    return "\n\n".join(blocks) + "\n"

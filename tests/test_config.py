@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-import pytest
-from conftest import REPO, read_text, train_net
+import re
 
-from distribuuuu.config import ConfigError, get_cfg, load_cfg
+import pytest
+import yaml
+from conftest import REPO, assert_ok, read_text, train_net
+from yacs.config import CfgNode
+
+from distribuuuu.config import (
+    ConfigError,
+    describe_keys,
+    format_config_reference,
+    get_cfg,
+    load_cfg,
+)
+from distribuuuu.tools.train_net import main as train_net_main
+from distribuuuu.tools.update_config_reference import COMMAND, replace_reference
 
 
 def test_get_cfg_returns_a_fresh_clone():
@@ -149,4 +161,75 @@ def test_cli_bad_input_exits_2_with_one_error_line(tmp_path, args, words):
     assert "Traceback" not in result.stderr + result.stdout
     for word in words:
         assert word in lines[0]
+    assert not out_dir.exists()
+
+
+# --------------------------------------------------------------------------- #
+# The config reference (--help-config, README) and --print-config
+# --------------------------------------------------------------------------- #
+
+
+def _leaves(node: dict, prefix: str = "") -> dict:
+    """``{dotted key: value}`` for every key of a cfg tree."""
+    leaves = {}
+    for name, value in node.items():
+        if isinstance(value, dict):
+            leaves.update(_leaves(value, f"{prefix}{name}."))
+        else:
+            leaves[prefix + name] = value
+    return leaves
+
+
+def test_help_config_lists_every_key_with_its_default_and_comment():
+    result = train_net("--help-config", timeout=60)
+    assert_ok(result)
+    assert result.stdout == format_config_reference()
+    listed = re.findall(r"^- `([\w.]+)` = `([^`]*)`: ", result.stdout, re.MULTILINE)
+    defaults = _leaves(get_cfg())
+    assert [key for key, _ in listed] == list(defaults)
+    for key, value in listed:
+        assert yaml.safe_load(value) == defaults[key], key
+    text = " ".join(result.stdout.split())
+    assert "Number of output classes (size of the classifier head)." in text
+    assert "Choices: `auto`, `cpu`, `cuda`." in text
+
+
+def test_readme_config_reference_matches_help_config():
+    readme = read_text(REPO, "README.md")
+    expected = replace_reference(readme, format_config_reference())
+    assert readme == expected, f"README.md's config reference is stale; run {COMMAND}"
+
+
+_SOURCE = """
+_C.MODEL = CfgNode()
+# Architecture name
+# (from the registry)
+_C.MODEL.ARCH = "resnet20"
+# ---------------------------------------------------------------------------- #
+# Misc
+# ---------------------------------------------------------------------------- #
+_C.RNG_SEED = 1
+"""
+
+
+def test_a_key_without_a_comment_is_refused():
+    model = CfgNode({"ARCH": "resnet20"})
+    assert describe_keys(CfgNode({"MODEL": model}), _SOURCE) == [
+        ("MODEL.ARCH", "resnet20", "Architecture name (from the registry)")
+    ]
+    with pytest.raises(ValueError, match=r"RNG_SEED has no comment"):  # a banner
+        describe_keys(CfgNode({"MODEL": model, "RNG_SEED": 1}), _SOURCE)
+    with pytest.raises(ValueError, match=r"DEVICE has no comment"):  # no line
+        describe_keys(CfgNode({"MODEL": model, "DEVICE": "cpu"}), _SOURCE)
+
+
+def test_print_config_prints_the_merged_yaml_and_writes_nothing(tmp_path, capsys):
+    out_dir = tmp_path / "never"
+    opts = ["OPTIM.BASE_LR", "0.2", "OUT_DIR", str(out_dir)]
+    assert train_net_main(["--print-config", *opts]) == 0
+    printed = capsys.readouterr().out
+    assert yaml.safe_load(printed) == load_cfg(None, opts)
+    assert "  BASE_LR: 0.2  # default: 0.1\n" in printed
+    assert f"OUT_DIR: {out_dir}  # default: ./exp\n" in printed
+    assert "  MAX_EPOCH: 10\n" in printed  # an unchanged key is not marked
     assert not out_dir.exists()

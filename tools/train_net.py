@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Train or evaluate an image classifier: the single entry point of distribuuuu.
 
-    python tools/train_net.py [--cfg FILE] [--eval-only] [KEY VALUE ...]
+    python tools/train_net.py [--cfg FILE] [--eval-only | --dry-run] [KEY VALUE ...]
+    python tools/train_net.py [--cfg FILE] --print-config [KEY VALUE ...]
+    python tools/train_net.py --help-config
 
 Runs as one process, under torchrun / ``python -m torch.distributed.launch``,
 or as a Slurm task under srun; see README.md.  Without ``--cfg`` it trains the
@@ -17,7 +19,7 @@ import re
 import sys
 import traceback
 
-from distribuuuu.config import ConfigError, check_out_dir, load_cfg
+from distribuuuu.config import ConfigError, check_out_dir, format_cfg, load_cfg
 from distribuuuu.logger import PACKAGE_LOGGER
 
 EXIT_CODES = """exit codes:
@@ -57,6 +59,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="evaluate MODEL.WEIGHTS (or OUT_DIR/best.pth) and print top-1/top-k",
     )
     parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build data, model and optimizer, run one training step and one "
+        "evaluation batch on every rank, then exit 0; writes nothing",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the merged, validated config (non-default values marked) and exit",
+    )
+    parser.add_argument(
+        "--help-config",
+        action="store_true",
+        help="print every config key with its default and description, and exit",
+    )
+    parser.add_argument(
         "--debug",
         action="store_true",
         help="on an error, also print the full traceback (before the error line)",
@@ -82,10 +100,13 @@ def _launched() -> bool:
     return "RANK" in os.environ or "SLURM_PROCID" in os.environ
 
 
-def _run_rank(cfg, eval_only: bool) -> None:
+def _run_rank(cfg, eval_only: bool, dry_run: bool = False) -> None:
     """Train or evaluate ``cfg`` in this process (one rank of the job)."""
     from distribuuuu import trainer  # imports torch: after the config checks
 
+    if dry_run:
+        trainer.dry_run(cfg)
+        return
     if not eval_only:
         stats = trainer.train_model(cfg)
         if "stopped_by" in stats:  # SIGTERM/SIGUSR1: saved, not finished
@@ -100,10 +121,10 @@ def _run_rank(cfg, eval_only: bool) -> None:
         )
 
 
-def run(cfg, eval_only: bool) -> None:
+def run(cfg, eval_only: bool, dry_run: bool = False) -> None:
     """:func:`_run_rank`, writing a failure's traceback to this rank's log file."""
     try:
-        _run_rank(cfg, eval_only)
+        _run_rank(cfg, eval_only, dry_run)
     except Exception as error:
         _log_traceback(error)
         raise
@@ -176,10 +197,11 @@ def check_weights(path: str, arch: str, num_classes: int) -> None:
         raise ConfigError(f"MODEL.WEIGHTS {error}") from error
 
 
-def check_inputs(cfg) -> None:
+def check_inputs(cfg, keep_out_dir: bool = True) -> None:
     """Check what ``cfg`` names, before anything is written; raise ConfigError.
 
-    The data folders, MODEL.WEIGHTS, then OUT_DIR (created, probed writable).
+    The data folders, MODEL.WEIGHTS, then OUT_DIR (created, probed writable;
+    removed again unless ``keep_out_dir`` when this created it).
     """
     from distribuuuu.data import DataError, check_data
 
@@ -189,7 +211,7 @@ def check_inputs(cfg) -> None:
         raise ConfigError(str(error)) from error
     if cfg.MODEL.WEIGHTS:
         check_weights(cfg.MODEL.WEIGHTS, cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES)
-    check_out_dir(cfg.OUT_DIR)
+    check_out_dir(cfg.OUT_DIR, keep_out_dir)
 
 
 # Errors whose message is written for users: shown without their type name.
@@ -258,9 +280,19 @@ def main(argv: list[str] | None = None) -> int:
             "with torchrun or srun, which start the processes themselves",
             2,
         )
+    if args.help_config:
+        from distribuuuu.config import format_config_reference
+
+        print(format_config_reference(), end="")
+        return 0
+    if args.dry_run and args.eval_only:
+        return _error("--dry-run and --eval-only: give one of them", 2)
     try:
         cfg = load_cfg(args.cfg_file, args.opts)
-        check_inputs(cfg)
+        if args.print_config:
+            print(format_cfg(cfg), end="")
+            return 0
+        check_inputs(cfg, keep_out_dir=not args.dry_run)
     except ConfigError as error:
         return _fail(error, 2, args.debug)
     except Exception as error:  # not the input's fault: a failure like any other
@@ -277,9 +309,9 @@ def launch(cfg, args: argparse.Namespace) -> int:
 
     try:
         if args.num_procs > 1:
-            spawn(args.num_procs, run, (cfg, args.eval_only))
+            spawn(args.num_procs, run, (cfg, args.eval_only, args.dry_run))
         else:
-            run(cfg, args.eval_only)
+            run(cfg, args.eval_only, args.dry_run)
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130
