@@ -1,15 +1,27 @@
-"""Logging: console on rank 0, a log file per rank, JSON lines and tensorboard."""
+"""Logging: console on rank 0, a log file per rank, JSON lines and tensorboard.
+
+On an interactive terminal rank 0's console also keeps a live status line (a
+progress bar) below the log; records marked ``extra={STATUS_LINE: True}`` go
+to the log files but not to such a console, whose status line shows the same.
+Anywhere else (a file, a pipe, a Slurm log) the console prints every record
+and no status line, so logs hold no carriage returns.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shutil
 import sys
+import time
 
 PACKAGE_LOGGER = "distribuuuu"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tb"
+# Attribute of records that a live status line shows instead of the console.
+STATUS_LINE = "status_line"
+_REDRAW_SECONDS = 0.1  # at most ten status redraws a second
 
 
 class _Formatter(logging.Formatter):
@@ -19,6 +31,80 @@ class _Formatter(logging.Formatter):
             stamp, _, message = text.partition("] ")
             text = f"{stamp}] {record.levelname}: {message}"
         return text
+
+
+class _Console(logging.StreamHandler):
+    """Rank 0's console; on a terminal, with a live status line at the bottom."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.live = stream.isatty() and os.environ.get("TERM") != "dumb"
+        self._status = ""  # the text on screen, "" when none is drawn
+        self._drawn_at = 0.0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.live:
+            super().emit(record)
+        elif not getattr(record, STATUS_LINE, False):
+            status = self._status
+            self._erase()
+            super().emit(record)
+            if status:
+                self._draw(status)
+
+    def set_status(self, text: str, force: bool = False) -> None:
+        """Show ``text`` as the status line (redraws are rate-limited)."""
+        now = time.monotonic()
+        if self.live and (force or now - self._drawn_at >= _REDRAW_SECONDS):
+            self._drawn_at = now
+            self._draw(text)
+
+    def end_status(self, keep: bool) -> None:
+        """Leave the status line on screen as a log line (``keep``) or erase it."""
+        if self._status and keep:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._status = ""
+        self._erase()
+
+    def _draw(self, text: str) -> None:
+        width = shutil.get_terminal_size().columns - 1
+        self.stream.write("\r" + text[:width] + "\033[K")
+        self.stream.flush()
+        self._status = text
+
+    def _erase(self) -> None:
+        if self._status:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self._status = ""
+
+
+def _console() -> _Console | None:
+    for handler in logging.getLogger(PACKAGE_LOGGER).handlers:
+        if isinstance(handler, _Console):
+            return handler
+    return None
+
+
+def live_console() -> bool:
+    """True when this process logs to a terminal that shows a status line."""
+    console = _console()
+    return console is not None and console.live
+
+
+def set_status(text: str, force: bool = False) -> None:
+    """Show ``text`` on the live status line (no-op without a live console)."""
+    console = _console()
+    if console is not None:
+        console.set_status(text, force)
+
+
+def end_status(keep: bool = False) -> None:
+    """Keep the status line as a log line or erase it (no-op without one)."""
+    console = _console()
+    if console is not None:
+        console.end_status(keep)
 
 
 def setup_logging(out_dir: str | None, rank: int) -> logging.Logger:
@@ -34,7 +120,7 @@ def setup_logging(out_dir: str | None, rank: int) -> logging.Logger:
         handler.close()
     formatter = _Formatter("[%(asctime)s] %(message)s", datefmt="%m/%d %H:%M:%S")
     if rank == 0:
-        console = logging.StreamHandler(sys.stdout)
+        console = _Console(sys.stdout)
         console.setFormatter(formatter)
         logger.addHandler(console)
     if out_dir:
@@ -72,6 +158,35 @@ class MetricsWriter:
         self._file.flush()
         for tag, value in (scalars or {}).items():
             self._tb.add_scalar(tag, value, step)
+
+    def image(self, tag: str, image, step: int = 0) -> None:
+        """Log an HxWx3 uint8 image (a numpy array) to tensorboard."""
+        if self.enabled:
+            self._tb.add_image(tag, image, step, dataformats="HWC")
+
+    def histogram(self, tag: str, values, step: int = 0) -> None:
+        """Log the distribution of ``values`` to tensorboard."""
+        if self.enabled:
+            self._tb.add_histogram(tag, values, step)
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        """Log a text (shown as markdown) to tensorboard."""
+        if self.enabled:
+            self._tb.add_text(tag, text, step)
+
+    def hparams(self, hparams: dict, metrics: dict) -> None:
+        """Log a run's hyper-parameters with its final metrics (hparams tab).
+
+        Values other than bool, int, float and str are logged as text.
+        """
+        if not self.enabled:
+            return
+        plain = {
+            key: value if isinstance(value, (bool, int, float, str)) else str(value)
+            for key, value in hparams.items()
+        }
+        # run_name "." writes into this run's own directory, not a new one.
+        self._tb.add_hparams(plain, metrics, run_name=".")
 
     def close(self) -> None:
         """Flush and close the files."""

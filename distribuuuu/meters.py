@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import resource
+import sys
 
 import torch
 
@@ -51,6 +53,54 @@ class MetricSums:
     def reset(self) -> None:
         """Start new sums."""
         self.sums.zero_()
+
+
+class ConfusionMatrix:
+    """Counts of (true class, predicted class) pairs, on the device.
+
+    ``update`` never synchronizes with the host; ``reduce`` sums over all
+    processes (a collective) and returns a CPU int64 matrix whose row ``t``
+    holds the predictions for the samples of class ``t``.
+    """
+
+    def __init__(self, device: torch.device, num_classes: int):
+        self.num_classes = num_classes
+        self.counts = torch.zeros(num_classes**2, dtype=torch.int64, device=device)
+
+    def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        """Add a batch of predictions."""
+        pairs = targets * self.num_classes + logits.argmax(dim=1)
+        self.counts += torch.bincount(pairs, minlength=self.num_classes**2)
+
+    def reduce(self) -> torch.Tensor:
+        """The global matrix (num_classes x num_classes) on the CPU."""
+        counts = du.all_reduce_sum(self.counts.clone()).cpu()
+        return counts.view(self.num_classes, self.num_classes)
+
+
+def per_class_top1(matrix: torch.Tensor) -> list[float | None]:
+    """Top-1 accuracy (percent) of each class; None for a class without samples."""
+    samples = matrix.sum(dim=1).tolist()
+    correct = matrix.diagonal().tolist()
+    return [100.0 * c / n if n else None for c, n in zip(correct, samples)]
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far, in MiB.
+
+    CUDA: the most memory tensors ever held on ``device``
+    (``torch.cuda.max_memory_allocated``); CPU: the peak resident set size.
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # B or KiB
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    """A text bar such as ``[#####-----]`` for ``done`` out of ``total``."""
+    filled = width * done // max(total, 1)
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
 
 
 def format_eta(seconds: float) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -21,11 +22,25 @@ from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
 from distribuuuu import distributed as du
-from distribuuuu import optim
-from distribuuuu.config import dump_cfg
+from distribuuuu import optim, reports
+from distribuuuu.config import dump_cfg, flat_cfg
 from distribuuuu.data import build_dataset, build_test_loader, build_train_loader
-from distribuuuu.logger import MetricsWriter, setup_logging
-from distribuuuu.meters import MetricSums, format_eta
+from distribuuuu.logger import (
+    STATUS_LINE,
+    MetricsWriter,
+    end_status,
+    live_console,
+    set_status,
+    setup_logging,
+)
+from distribuuuu.meters import (
+    ConfusionMatrix,
+    MetricSums,
+    format_eta,
+    peak_memory_mb,
+    per_class_top1,
+    progress_bar,
+)
 from distribuuuu.models import build_model
 from distribuuuu.parallel import broadcast_buffers, unwrap_model, wrap_model
 
@@ -47,8 +62,13 @@ def resolve_seed(seed: int | None) -> int:
 
 
 @contextlib.contextmanager
-def run_context(cfg: CfgNode) -> Iterator[tuple[du.LaunchInfo, torch.device]]:
-    """Join the process group, set up logging and cuDNN; leave the group at exit."""
+def run_context(
+    cfg: CfgNode, log_files: bool = True
+) -> Iterator[tuple[du.LaunchInfo, torch.device]]:
+    """Join the process group, set up logging and cuDNN; leave the group at exit.
+
+    Without ``log_files`` nothing is written to OUT_DIR (console only).
+    """
     if cfg.CUDNN.DETERMINISTIC:
         # cuBLAS needs this before its first use to be deterministic.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -57,7 +77,7 @@ def run_context(cfg: CfgNode) -> Iterator[tuple[du.LaunchInfo, torch.device]]:
         cfg.DIST.BACKEND, cfg.DEVICE, cfg.DIST.INIT_TIMEOUT
     )
     try:
-        setup_logging(cfg.OUT_DIR, info.rank)
+        setup_logging(cfg.OUT_DIR if log_files else None, info.rank)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
             torch.backends.cudnn.deterministic = cfg.CUDNN.DETERMINISTIC
@@ -159,6 +179,7 @@ class TrainState:
     progress: Progress
     clock: RunClock
     writer: MetricsWriter
+    classes: list[str]  # class names in label order, saved with the weights
 
 
 def plan_batches(cfg: CfgNode, world_size: int, saved: dict | None) -> BatchPlan:
@@ -210,56 +231,103 @@ def train_epoch(
 ) -> bool:
     """Train the rest of epoch ``progress.epoch``; True if ``after_step`` stopped it.
 
-    Each optimizer step takes ``plan.accum`` micro-batches of ``plan.per_rank``
-    per process; DDP synchronizes gradients on the last one only.  The
-    learning rate is set before every step.  Micro-batches that cannot fill a
-    whole step at the end of the epoch are skipped.  ``progress.consumed``
-    advances with every step, so a checkpoint taken in ``after_step`` resumes
-    at the next unseen batch.
+    The learning rate is set before every step.  Micro-batches that cannot
+    fill a whole step at the end of the epoch are skipped.
+    ``progress.consumed`` advances with every step, so a checkpoint taken in
+    ``after_step`` resumes at the next unseen batch.
     """
-    model, device, progress, plan = run.model, run.device, run.progress, run.plan
-    model.train()
+    progress, plan = run.progress, run.plan
+    run.model.train()
     loader.sampler.set_epoch(progress.epoch, progress.consumed)
     first = progress.consumed // plan.global_batch
-    steps = len(loader) // plan.accum
-    total = first + steps
-    meter = MetricSums(device, min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES))
+    total = first + len(loader) // plan.accum
+    meter = MetricSums(run.device, min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES))
+    status = _TrainStatus(cfg, run, first, total) if live_console() else None
     batches = iter(loader)
     data_time, window_start = 0.0, time.perf_counter()
-    for step in range(first, total):
-        lr = optim.lr_at(cfg.OPTIM, progress.epoch + step / total) * plan.lr_scale
-        optim.set_lr(run.optimizer, lr)
-        for micro in range(plan.accum):
-            tic = time.perf_counter()
-            images, targets = next(batches)
-            data_time += time.perf_counter() - tic
-            images = images.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            last = micro == plan.accum - 1
-            sync = last or not isinstance(model, DistributedDataParallel)
-            with contextlib.nullcontext() if sync else model.no_sync():
-                with _autocast(device, run.amp_dtype):
-                    logits = model(images)
-                    loss = F.cross_entropy(logits, targets)
-                run.scaler.scale(loss / plan.accum).backward()
-            meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
-        _optimizer_step(model, run.optimizer, run.scaler, cfg.OPTIM.CLIP_GRAD_NORM)
-        progress.consumed += plan.global_batch
-        run.clock.step()
-        if (step + 1) % cfg.TRAIN.PRINT_FREQ == 0 or step + 1 == total:
-            window_steps = (step - first) % cfg.TRAIN.PRINT_FREQ + 1
-            elapsed = time.perf_counter() - window_start
-            _log_train(cfg, meter, progress.epoch, step, total, lr, elapsed,
-                       data_time / window_steps, run.clock, run.writer)  # fmt: skip
-            meter.reset()
-            data_time, window_start = 0.0, time.perf_counter()
-        if after_step():
-            return True
-    return False
+    try:
+        for step in range(first, total):
+            lr = optim.lr_at(cfg.OPTIM, progress.epoch + step / total) * plan.lr_scale
+            optim.set_lr(run.optimizer, lr)
+            data_time += _train_step(run, batches, meter, cfg.OPTIM.CLIP_GRAD_NORM)
+            progress.consumed += plan.global_batch
+            run.clock.step()
+            if (step + 1) % cfg.TRAIN.PRINT_FREQ == 0 or step + 1 == total:
+                window_steps = (step - first) % cfg.TRAIN.PRINT_FREQ + 1
+                elapsed = time.perf_counter() - window_start
+                stats = _log_train(cfg, run, meter, step, total, lr, elapsed,
+                                   data_time / window_steps)  # fmt: skip
+                meter.reset()
+                data_time, window_start = 0.0, time.perf_counter()
+                if status:
+                    status.window = stats
+            if status:
+                status.show(step, lr)
+            if after_step():
+                return True
+        return False
+    finally:
+        end_status(keep=True)
 
 
-def _log_train(cfg, meter, epoch, step, steps, lr, elapsed, data_time, clock, writer):
-    """Reduce the window's metrics over all ranks; log them (rank 0 writes)."""
+def _train_step(run: TrainState, batches, meter: MetricSums, clip: float) -> float:
+    """One optimizer step of ``plan.accum`` micro-batches; seconds spent on data.
+
+    DDP synchronizes gradients on the last micro-batch only.
+    """
+    model, device, accum = run.model, run.device, run.plan.accum
+    data_time = 0.0
+    for micro in range(accum):
+        tic = time.perf_counter()
+        images, targets = next(batches)
+        data_time += time.perf_counter() - tic
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        sync = micro == accum - 1 or not isinstance(model, DistributedDataParallel)
+        with contextlib.nullcontext() if sync else model.no_sync():
+            with _autocast(device, run.amp_dtype):
+                logits = model(images)
+                loss = F.cross_entropy(logits, targets)
+            run.scaler.scale(loss / accum).backward()
+        meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
+    _optimizer_step(model, run.optimizer, run.scaler, clip)
+    return data_time
+
+
+class _TrainStatus:
+    """The live progress line of a training epoch (interactive terminals only).
+
+    Loss and top-1 are those of the last ``TRAIN.PRINT_FREQ`` window over all
+    ranks (updated at print steps); the rest is known on the host every step,
+    so the bar costs no device synchronization.
+    """
+
+    def __init__(self, cfg: CfgNode, run: TrainState, first: int, total: int):
+        self.cfg, self.run, self.first, self.total = cfg, run, first, total
+        self.start = time.perf_counter()
+        self.window: dict = {}
+
+    def show(self, step: int, lr: float) -> None:
+        """Redraw the line after optimizer step ``step`` (0-based)."""
+        done = step + 1
+        elapsed = time.perf_counter() - self.start
+        img_per_s = (done - self.first) * self.run.plan.global_batch / elapsed
+        metrics = "loss -  top1 -"
+        if self.window:
+            metrics = f"loss {self.window['loss']:.4f}  top1 {self.window['top1']:.2f}"
+        eta = format_eta(self.run.clock.eta())
+        set_status(
+            f"ep {self.run.progress.epoch + 1}/{self.cfg.OPTIM.MAX_EPOCH} "
+            f"{progress_bar(done, self.total)} {done}/{self.total}  {metrics}  "
+            f"lr {lr:.5f}  {img_per_s:.0f} img/s  eta {eta}",
+            force=done == self.total,
+        )
+
+
+def _log_train(cfg, run, meter, step, steps, lr, elapsed, data_time) -> dict:
+    """Reduce the window's metrics over all ranks, log them (rank 0 writes) and
+    return them."""
+    epoch = run.progress.epoch
     stats = meter.reduce()
     img_per_s = stats["samples"] / elapsed
     logger.info(
@@ -276,7 +344,8 @@ def _log_train(cfg, meter, epoch, step, steps, lr, elapsed, data_time, clock, wr
         lr,
         img_per_s,
         1000 * data_time,
-        format_eta(clock.eta()),
+        format_eta(run.clock.eta()),
+        extra={STATUS_LINE: True},
     )
     record = {
         "split": "train",
@@ -284,6 +353,7 @@ def _log_train(cfg, meter, epoch, step, steps, lr, elapsed, data_time, clock, wr
         "iter": step + 1,
         "lr": lr,
         "img_per_s": img_per_s,
+        "data_ms": 1000 * data_time,
         **stats,
     }
     scalars = {
@@ -291,8 +361,10 @@ def _log_train(cfg, meter, epoch, step, steps, lr, elapsed, data_time, clock, wr
         "train/top1": stats["top1"],
         "train/lr": lr,
         "train/img_per_s": img_per_s,
+        "train/data_ms": 1000 * data_time,
     }
-    writer.write(record, scalars, epoch * steps + step + 1)
+    run.writer.write(record, scalars, epoch * steps + step + 1)
+    return stats
 
 
 @torch.no_grad()
@@ -301,28 +373,42 @@ def evaluate(
     loader: DataLoader,
     device: torch.device,
     topk: int,
+    num_classes: int,
     print_freq: int,
     amp_dtype: torch.dtype | None = None,
-) -> dict:
+    max_iters: int | None = None,
+) -> tuple[dict, torch.Tensor]:
     """Exact evaluation: every sample once, sums reduced over all processes.
 
-    Returns loss (mean), top1 and topk (percent) and the number of samples.
+    Returns loss (mean), top1 and topk (percent) and the number of samples,
+    and the confusion matrix (on the CPU).  ``max_iters`` stops early (a
+    check, not an evaluation).
     """
     broadcast_buffers(model)
     model = unwrap_model(model)  # ranks may run different numbers of batches
     model.eval()
     sums = MetricSums(device, topk)
-    iters = len(loader)
+    confusion = ConfusionMatrix(device, num_classes)
+    iters = min(len(loader), max_iters or len(loader))
+    live = live_console()
     for it, (images, targets) in enumerate(loader):
+        if it == iters:
+            break
         images = images.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         with _autocast(device, amp_dtype):
             logits = model(images)
             loss_sum = F.cross_entropy(logits, targets, reduction="sum")
         sums.update(loss_sum, logits, targets)
-        if (it + 1) % print_freq == 0 and it + 1 < iters:
+        confusion.update(logits, targets)
+        if live:
+            bar = progress_bar(it + 1, iters)
+            set_status(f"val {bar} {it + 1}/{iters}", force=it == 0)
+        elif (it + 1) % print_freq == 0 and it + 1 < iters:
             logger.info("eval it %d/%d", it + 1, iters)
-    return sums.reduce()
+    end_status(keep=False)
+    stats = sums.reduce()
+    return stats, confusion.reduce()
 
 
 def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
@@ -343,6 +429,7 @@ def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
         "accum": plan.accum,
         "lr_scale": plan.lr_scale,
         "arch": cfg.MODEL.ARCH,
+        "classes": run.classes,
         "cfg": cfg.dump(),
     }
     if du.is_main_process():
@@ -353,8 +440,9 @@ def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
         logger.info("saved %s", path)
 
 
-def _resume_or_load(cfg, model, optimizer, scaler) -> tuple[Progress, dict | None]:
-    """Progress to continue from and the checkpoint resumed (None when new)."""
+def _resume_or_load(cfg, model, optimizer, scaler) -> tuple[Progress, dict | None, str]:
+    """Progress to continue from, the checkpoint resumed (None when new) and
+    what the run starts from, in words."""
     if cfg.TRAIN.AUTO_RESUME:
         found = cp.find_resume_checkpoint(cfg.OUT_DIR)
         if found is not None:
@@ -366,20 +454,27 @@ def _resume_or_load(cfg, model, optimizer, scaler) -> tuple[Progress, dict | Non
             progress = Progress(
                 state["epoch"], state["consumed"], state["best_top1"], state["seed"]
             )
-            logger.info(
-                "resumed from %s (epoch %d done, %d samples into the next)",
-                path,
-                progress.epoch,
-                progress.consumed,
+            start = (
+                f"resumed from {path} (epoch {progress.epoch} done, "
+                f"{progress.consumed} samples into the next)"
             )
-            return progress, state
+            logger.info("%s", start)
+            return progress, state, start
     if cfg.MODEL.WEIGHTS:
         state = cp.load_file(cfg.MODEL.WEIGHTS)
         cp.load_model_weights(unwrap_model(model), state, cfg.MODEL.WEIGHTS)
-        if cfg.TRAIN.LOAD_OPT and isinstance(state, dict) and "optimizer" in state:
+        with_optimizer = (
+            cfg.TRAIN.LOAD_OPT and isinstance(state, dict) and "optimizer" in state
+        )
+        if with_optimizer:
             optimizer.load_state_dict(state["optimizer"])
-        logger.info("loaded weights from %s", cfg.MODEL.WEIGHTS)
-    return Progress(), None
+        start = f"weights from {cfg.MODEL.WEIGHTS}" + " and its optimizer" * (
+            with_optimizer
+        )
+        logger.info("loaded %s", start)
+        return Progress(), None, start
+    pretrained = " (ImageNet-pretrained weights)" * cfg.MODEL.PRETRAINED
+    return Progress(), None, "a new run" + pretrained
 
 
 class StopRequest:
@@ -421,61 +516,147 @@ def train_model(cfg: CfgNode) -> dict:
     when SIGTERM/SIGUSR1 stopped it after saving a checkpoint.
     """
     with run_context(cfg) as (info, device):
-        rank, world = info.rank, info.world_size
-        if rank == 0:
+        if info.rank == 0:
             dump_cfg(cfg)
-        seed = resolve_seed(cfg.RNG_SEED)
-        seed_everything(seed + rank)
-        train_set, val_set = build_dataset(cfg, True), build_dataset(cfg, False)
-        logger.info(
-            "data %s: train images %d, val images %d, classes %d",
-            cfg.DATA.NAME,
-            len(train_set),
-            len(val_set),
-            len(train_set.classes),
-        )
-        model = build_model(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, cfg.MODEL.PRETRAINED)
-        model = wrap_model(model, device, cfg.MODEL.SYNCBN, cfg.DIST.MODE)
-        optimizer = optim.build_optimizer(model, cfg.OPTIM)
-        amp_dtype, use_scaler = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
-        scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
-        # Every rank loads the same file, so the replicas stay identical.
-        progress, saved = _resume_or_load(cfg, model, optimizer, scaler)
-        progress.seed = seed if saved is None else progress.seed
-        logger.info(
-            "seed %d%s", progress.seed, " (picked at random)" * (cfg.RNG_SEED is None)
-        )
-        plan = plan_batches(cfg, world, saved)
-        logger.info(
-            "model %s; %d process(es) x batch %d x %d accumulation step(s) "
-            "= global batch %d",
-            cfg.MODEL.ARCH,
-            world,
-            plan.per_rank,
-            plan.accum,
-            plan.global_batch,
-        )
-        train_loader = build_train_loader(
-            cfg, train_set, rank, world, progress.seed, device, plan.per_rank
-        )
-        val_loader = build_test_loader(cfg, val_set, rank, world, device)
-        _check_loader(train_loader, plan)
-        if saved is not None and len(saved["rng"]) == world:
-            cp.restore_rng_state(saved["rng"][rank])
-        steps_per_epoch = len(train_loader) // plan.accum
-        clock = RunClock(
-            cfg.OPTIM.MAX_EPOCH * steps_per_epoch,
-            progress.epoch * steps_per_epoch + progress.consumed // plan.global_batch,
-        )
-        writer = MetricsWriter(cfg.OUT_DIR, enabled=rank == 0)
-        run = TrainState(model, optimizer, scaler, amp_dtype, device, plan, progress,
-                         clock, writer)  # fmt: skip
-        stop = StopRequest()
+        writer = MetricsWriter(cfg.OUT_DIR, enabled=info.rank == 0)
         try:
-            return _train_epochs(cfg, run, train_loader, val_loader, stop)
+            run, train_loader, val_loader = _build_run(cfg, info, device, writer)
+            stop = StopRequest()
+            try:
+                return _train_epochs(cfg, run, train_loader, val_loader, stop)
+            finally:
+                stop.restore()
         finally:
-            stop.restore()
             writer.close()
+
+
+def dry_run(cfg: CfgNode) -> dict:
+    """Build everything, run one training step and one evaluation batch.
+
+    A check of a job before it is queued: every rank runs; a checkpoint to
+    resume from is loaded; nothing is written.  Returns the timings (seconds)
+    and the step's metrics.
+    """
+    cfg = cfg.clone()
+    cfg.defrost()
+    cfg.TRAIN.PRINT_FREQ = 1  # log the single step
+    cfg.freeze()
+    with run_context(cfg, log_files=False) as (info, device):
+        tic = time.perf_counter()
+        writer = MetricsWriter(cfg.OUT_DIR, enabled=False)
+        run, train_loader, val_loader = _build_run(cfg, info, device, writer)
+        built = time.perf_counter()
+        train_epoch(run, train_loader, cfg, after_step=lambda: True)
+        stepped = time.perf_counter()
+        topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
+        stats, _ = evaluate(
+            run.model,
+            val_loader,
+            device,
+            topk,
+            cfg.MODEL.NUM_CLASSES,
+            cfg.TEST.PRINT_FREQ,
+            run.amp_dtype,
+            max_iters=1,
+        )
+        done = time.perf_counter()
+        memory = max(du.all_gather_object(peak_memory_mb(device)))
+        timings = {
+            "build_s": built - tic,
+            "train_step_s": stepped - built,
+            "eval_batch_s": done - stepped,
+            "peak_mem_mb": memory,
+        }
+        logger.info(
+            "dry run passed: built in %.1f s, one training step %.2f s, one "
+            "evaluation batch %.2f s (top1 %.2f on %d images), peak memory "
+            "%.0f MiB per process; nothing was written",
+            timings["build_s"],
+            timings["train_step_s"],
+            timings["eval_batch_s"],
+            stats["top1"],
+            stats["samples"],
+            memory,
+        )
+        return {**timings, **stats}
+
+
+def _build_run(
+    cfg: CfgNode, info: du.LaunchInfo, device: torch.device, writer: MetricsWriter
+) -> tuple[TrainState, DataLoader, DataLoader]:
+    """Data, model, optimizer, resume state and loaders of a training run.
+
+    Logs the start-up report; all ranks must call it.
+    """
+    rank, world = info.rank, info.world_size
+    seed = resolve_seed(cfg.RNG_SEED)
+    seed_everything(seed + rank)
+    train_set, val_set = build_dataset(cfg, True), build_dataset(cfg, False)
+    model = build_model(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, cfg.MODEL.PRETRAINED)
+    size = reports.model_size(model)
+    model = wrap_model(model, device, cfg.MODEL.SYNCBN, cfg.DIST.MODE)
+    optimizer = optim.build_optimizer(model, cfg.OPTIM)
+    amp_dtype, use_scaler = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+    # Every rank loads the same file, so the replicas stay identical.
+    progress, saved, start = _resume_or_load(cfg, model, optimizer, scaler)
+    progress.seed = seed if saved is None else progress.seed
+    plan = plan_batches(cfg, world, saved)
+    train_loader = build_train_loader(
+        cfg, train_set, rank, world, progress.seed, device, plan.per_rank
+    )
+    val_loader = build_test_loader(cfg, val_set, rank, world, device)
+    _check_loader(train_loader, plan)
+    if saved is not None and len(saved["rng"]) == world:
+        cp.restore_rng_state(saved["rng"][rank])
+    steps_per_epoch = len(train_loader) // plan.accum
+    clock = RunClock(
+        cfg.OPTIM.MAX_EPOCH * steps_per_epoch,
+        progress.epoch * steps_per_epoch + progress.consumed // plan.global_batch,
+    )
+    run = TrainState(model, optimizer, scaler, amp_dtype, device, plan, progress,
+                     clock, writer, list(train_set.classes))  # fmt: skip
+    report = {
+        "versions": reports.versions(),
+        "world": reports.world_layout(info, device),
+        "data": {
+            "name": cfg.DATA.NAME,
+            "train_images": len(train_set),
+            "val_images": len(val_set),
+            "class_names": run.classes,
+        },
+        "model": {"arch": cfg.MODEL.ARCH, "syncbn": cfg.MODEL.SYNCBN, **size},
+        "batch": {
+            "per_rank": plan.per_rank,
+            "accum": plan.accum,
+            "world_size": world,
+            "global": plan.global_batch,
+        },
+        "lr": cfg.OPTIM.BASE_LR * plan.lr_scale,
+        "lr_policy": cfg.OPTIM.LR_POLICY,
+        "strategy": cfg.DIST.MODE,
+        "precision": "none" if amp_dtype is None else str(amp_dtype).split(".")[-1],
+        "seed": f"{progress.seed}" + " (picked at random)" * (cfg.RNG_SEED is None),
+        "start": start,
+    }
+    text = reports.format_startup(report)
+    logger.info("%s", text)
+    writer.write({"split": "start", **report})
+    writer.text("run/start", "    " + text.replace("\n", "\n    "))
+    if saved is None and writer.enabled:
+        _log_training_images(writer, train_set, progress.seed)
+    return run, train_loader, val_loader
+
+
+def _log_training_images(writer: MetricsWriter, dataset, seed: int) -> None:
+    """Log a grid of 16 augmented training images (spread over the data set)."""
+    indices = torch.linspace(0, len(dataset) - 1, min(16, len(dataset))).long()
+    with torch.random.fork_rng(devices=[]):  # leave the run's RNG as it was
+        torch.manual_seed(seed)
+        images = torch.stack([dataset[int(i)][0] for i in indices]).float()
+    grid = torchvision.utils.make_grid(images, nrow=8, normalize=True, scale_each=True)
+    pixels = (grid.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+    writer.image("train/augmented_images", pixels)
 
 
 def _train_epochs(
@@ -501,12 +682,18 @@ def _train_epochs(
     while progress.epoch < cfg.OPTIM.MAX_EPOCH:
         if train_epoch(run, train_loader, cfg, after_step):
             return _stopped(cfg, stopped_by)
-        stats = evaluate(run.model, val_loader, run.device, topk,
-                         cfg.TEST.PRINT_FREQ, run.amp_dtype)  # fmt: skip
+        stats, confusion = evaluate(
+            run.model,
+            val_loader,
+            run.device,
+            topk,
+            cfg.MODEL.NUM_CLASSES,
+            cfg.TEST.PRINT_FREQ,
+            run.amp_dtype,
+        )
         stats["train_samples"] = progress.consumed  # over restarts, if any
         progress.epoch, progress.consumed = progress.epoch + 1, 0
-        _log_eval_and_save(cfg, run.model, stats, progress, run.plan.world_size,
-                           run.writer)  # fmt: skip
+        _log_eval_and_save(cfg, run, stats, confusion)
         last = progress.epoch == cfg.OPTIM.MAX_EPOCH
         stopped_by = stop.agreed()
         if stopped_by or last or progress.epoch % cfg.CHECKPOINT.PERIOD == 0:
@@ -515,6 +702,14 @@ def _train_epochs(
             return _stopped(cfg, stopped_by)
     if not stats:
         logger.info("nothing to do: %d epochs already done", progress.epoch)
+        return stats
+    hparams = {key: value for key, value in flat_cfg(cfg).items() if key != "OUT_DIR"}
+    final = {
+        "hparam/best_top1": progress.best_top1,
+        "hparam/top1": stats["top1"],
+        "hparam/loss": stats["loss"],
+    }
+    run.writer.hparams(hparams, final)
     return stats
 
 
@@ -526,14 +721,18 @@ def _stopped(cfg: CfgNode, signum: int) -> dict:
     return {"stopped_by": signum}
 
 
-def _log_eval_and_save(cfg, model, stats, progress, world, writer) -> None:
+def _log_eval_and_save(
+    cfg: CfgNode, run: TrainState, stats: dict, confusion: torch.Tensor
+) -> None:
     """Log an evaluation (1-based epoch ``progress.epoch``); save best weights."""
+    progress, epoch = run.progress, run.progress.epoch
     topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
     is_best = stats["top1"] > progress.best_top1
     progress.best_top1 = max(progress.best_top1, stats["top1"])
-    epoch = progress.epoch
+    memory = du.all_gather_object(peak_memory_mb(run.device))
     logger.info(
-        "val ep %d/%d  loss %.4f  top1 %.2f  top%d %.2f  samples %d  best %.2f",
+        "val ep %d/%d  loss %.4f  top1 %.2f  top%d %.2f  samples %d  best %.2f  "
+        "peak memory %.0f MiB",
         epoch,
         cfg.OPTIM.MAX_EPOCH,
         stats["loss"],
@@ -542,20 +741,34 @@ def _log_eval_and_save(cfg, model, stats, progress, world, writer) -> None:
         stats["topk"],
         stats["samples"],
         progress.best_top1,
+        max(memory),
     )
-    record = {"split": "val", "epoch": epoch, "world_size": world, **stats}
+    per_class = per_class_top1(confusion)
+    record = {"split": "val", "epoch": epoch, "world_size": run.plan.world_size}
+    record.update(stats, peak_mem_mb=memory, per_class_top1=per_class)
     scalars = {
         "val/loss": stats["loss"],
         "val/top1": stats["top1"],
         "val/topk": stats["topk"],
+        "memory/peak_mb": max(memory),
     }
-    writer.write(record, scalars, epoch)
+    if len(per_class) <= reports.MAX_PLOTTED_CLASSES:
+        for name, top1 in zip(run.classes, per_class):
+            if top1 is not None:
+                scalars[f"val_per_class/{name}"] = top1
+        image = reports.confusion_image(confusion, run.classes)
+        run.writer.image("val/confusion_matrix", image, epoch)
+    measured = np.array([top1 for top1 in per_class if top1 is not None])
+    if measured.size:
+        run.writer.histogram("val/per_class_top1", measured, epoch)
+    run.writer.write(record, scalars, epoch)
     if is_best and du.is_main_process():
         weights = {
-            "model": unwrap_model(model).state_dict(),
+            "model": unwrap_model(run.model).state_dict(),
             "epoch": epoch,
             "top1": stats["top1"],
             "arch": cfg.MODEL.ARCH,
+            "classes": run.classes,
             "cfg": cfg.dump(),
         }
         cp.save_weights(os.path.join(cfg.OUT_DIR, cp.BEST_WEIGHTS), weights)
@@ -574,7 +787,12 @@ def _eval_weights_path(cfg: CfgNode) -> str:
 
 
 def test_model(cfg: CfgNode) -> dict:
-    """Evaluate MODEL.WEIGHTS (or OUT_DIR/best.pth) on the validation set."""
+    """Evaluate MODEL.WEIGHTS (or OUT_DIR/best.pth) on the validation set.
+
+    Rank 0 also writes the confusion matrix (CSV, PNG) and the per-class
+    accuracy (CSV) to OUT_DIR.  Returns the metrics, the confusion matrix,
+    the class names and the paths written.
+    """
     with run_context(cfg) as (info, device):
         path = _eval_weights_path(cfg)
         val_set = build_dataset(cfg, train=False)
@@ -584,7 +802,15 @@ def test_model(cfg: CfgNode) -> dict:
         loader = build_test_loader(cfg, val_set, info.rank, info.world_size, device)
         topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
         amp_dtype, _ = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
-        stats = evaluate(model, loader, device, topk, cfg.TEST.PRINT_FREQ, amp_dtype)
+        stats, confusion = evaluate(
+            model,
+            loader,
+            device,
+            topk,
+            cfg.MODEL.NUM_CLASSES,
+            cfg.TEST.PRINT_FREQ,
+            amp_dtype,
+        )
         logger.info(
             "eval %s  loss %.4f  top1 %.2f  top%d %.2f  samples %d",
             path,
@@ -594,15 +820,17 @@ def test_model(cfg: CfgNode) -> dict:
             stats["topk"],
             stats["samples"],
         )
+        classes = list(val_set.classes)
+        table = reports.format_per_class(confusion, classes)
+        logger.info("per-class top-1:\n%s", table)
+        files = []
+        if du.is_main_process():
+            files = reports.write_per_class(cfg.OUT_DIR, confusion, classes)
+            logger.info("wrote %s", ", ".join(files))
         writer = MetricsWriter(cfg.OUT_DIR, enabled=info.rank == 0)
-        writer.write(
-            {
-                "split": "val",
-                "eval_only": True,
-                "weights": path,
-                "world_size": info.world_size,
-                **stats,
-            }
-        )
+        record = {"split": "val", "eval_only": True, "weights": path}
+        record.update(world_size=info.world_size, **stats)
+        record["per_class_top1"] = per_class_top1(confusion)
+        writer.write(record)
         writer.close()
-        return {**stats, "topk_k": topk, "weights": path}
+        return {**stats, "topk_k": topk, "weights": path, "files": files}
