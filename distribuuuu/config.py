@@ -50,6 +50,10 @@ _C.MODEL.SYNCBN = False
 _C.MODEL.WEIGHTS = None
 # Train and evaluate on random synthetic images (wins over DATA.NAME)
 _C.MODEL.DUMMY_INPUT = False
+# Activation checkpointing: recompute the activations of each residual block
+# (or transformer block) in the backward pass instead of keeping them, trading
+# about one extra forward pass for memory; the result does not change
+_C.MODEL.ACT_CKPT = False
 
 # ---------------------------------------------------------------------------- #
 # Data
@@ -174,6 +178,10 @@ _C.DIST.MODE = "ddp"
 # On SIGTERM/SIGUSR1 under Slurm, after saving a checkpoint, rank 0 runs
 # "scontrol requeue $SLURM_JOB_ID"; the requeued job resumes from it
 _C.DIST.REQUEUE = False
+# How model and optimizer state are spread over the processes: ddp (every rank
+# holds everything) | zero1 (DDP, optimizer state sharded across ranks with
+# ZeroRedundancyOptimizer; checkpoints are consolidated on rank 0)
+_C.DIST.STRATEGY = "ddp"
 
 # ---------------------------------------------------------------------------- #
 # Checkpoints
@@ -216,6 +224,7 @@ LR_POLICIES = ("cos", "steps")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("", "nccl", "gloo")
 DIST_MODES = ("ddp", "dp")
+STRATEGIES = ("ddp", "zero1")
 PRECISIONS = ("none", "bf16", "fp16")
 # Classes of the data sets with a fixed label set.
 _FIXED_CLASSES = {"mnist5k": 10, "cifar10": 10, "cifar100": 100}
@@ -454,6 +463,7 @@ _CHOICES = {
     "OPTIM.LR_POLICY": LR_POLICIES,
     "DIST.BACKEND": BACKENDS,
     "DIST.MODE": DIST_MODES,
+    "DIST.STRATEGY": STRATEGIES,
     "TRAIN.MIXED_PRECISION": PRECISIONS,
     "TRAIN.RESUME_BATCH": ("global", "per_rank"),
     "DEVICE": DEVICES,
@@ -540,6 +550,12 @@ def validate_cfg(cfg: CfgNode) -> None:
             True,
             "needs OPTIM.MOMENTUM > 0 and OPTIM.DAMPENING 0",
         )
+    _check(
+        cfg.DIST.STRATEGY == "ddp" or cfg.DIST.MODE == "ddp",
+        "DIST.STRATEGY",
+        cfg.DIST.STRATEGY,
+        "shards over processes, so it needs DIST.MODE ddp",
+    )
     _check(
         cfg.TEST.IM_SIZE >= cfg.TRAIN.IM_SIZE,
         "TEST.IM_SIZE",

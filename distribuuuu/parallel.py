@@ -1,14 +1,22 @@
-"""Wrap a model for the run: device placement, SyncBN, DDP."""
+"""Wrap a model for the run: device placement, SyncBN, DDP, ZeRO, activation
+checkpointing."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from distribuuuu import distributed as du
+from distribuuuu.models import find_blocks
 from distribuuuu.syncbn import GroupSyncBatchNorm
 
 logger = logging.getLogger(__name__)
@@ -79,3 +87,94 @@ def broadcast_buffers(model: nn.Module, src: int = 0) -> None:
     if du.is_distributed():
         for buffer in unwrap_model(model).buffers():
             torch.distributed.broadcast(buffer, src)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Backward passes inside synchronize gradients across ranks only if ``sync``.
+
+    For the micro-batches of gradient accumulation: DDP's ``no_sync``.
+    """
+    if sync or not isinstance(model, DistributedDataParallel):
+        yield
+    else:
+        with model.no_sync():
+            yield
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``optimizer`` rebuilt as a ZeroRedundancyOptimizer (ZeRO stage 1).
+
+    Each rank keeps the state of its share of the parameters only; the
+    parameter groups and hyper-parameters stay those of ``optimizer``.  Without
+    a process group there is nothing to shard and ``optimizer`` is returned.
+    """
+    if not du.is_distributed():
+        logger.info("DIST.STRATEGY zero1 in one process: nothing to shard")
+        return optimizer
+    sharded = ZeroRedundancyOptimizer(
+        [dict(group) for group in optimizer.param_groups],
+        optimizer_class=type(optimizer),
+        **optimizer.defaults,
+    )
+    logger.info("ZeRO-1: optimizer state sharded over %d ranks", du.get_world_size())
+    return sharded
+
+
+def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """The whole optimizer state on rank 0 (a collective for ZeRO); {} elsewhere."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if du.is_main_process() else {}
+    return optimizer.state_dict()
+
+
+@contextlib.contextmanager
+def _frozen_norm_statistics(module: nn.Module) -> Iterator[None]:
+    """BatchNorm layers of ``module`` leave their running statistics alone.
+
+    Used while activation checkpointing recomputes a block's forward pass,
+    which would otherwise update the running statistics a second time.
+    """
+    norms = [m for m in module.modules() if isinstance(m, _BatchNorm)]
+    saved = [(m.momentum, m.num_batches_tracked) for m in norms]
+    for norm in norms:
+        norm.momentum = 0.0  # running = (1 - 0) * running + 0 * batch
+        if norm.num_batches_tracked is not None:
+            norm.num_batches_tracked = norm.num_batches_tracked.clone()
+    try:
+        yield
+    finally:
+        for norm, (momentum, tracked) in zip(norms, saved):
+            norm.momentum, norm.num_batches_tracked = momentum, tracked
+
+
+def _recompute_contexts(block: nn.Module) -> tuple:
+    """``checkpoint``'s (forward, recomputation) contexts for ``block``."""
+    return contextlib.nullcontext(), _frozen_norm_statistics(block)
+
+
+def enable_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute each block's activations in the backward pass; blocks wrapped.
+
+    Non-reentrant ``torch.utils.checkpoint`` around the forward of every block
+    found by :func:`distribuuuu.models.find_blocks` (timm models use their own
+    switch).  Parameter names and results stay the same: the recomputation
+    does not update BatchNorm running statistics again.
+    """
+    if hasattr(model, "set_grad_checkpointing"):  # timm models
+        model.set_grad_checkpointing(True)
+        return 1
+    blocks = find_blocks(model)
+    for block in blocks:
+        contexts = functools.partial(_recompute_contexts, block)
+        block.forward = functools.partial(
+            checkpoint, block.forward, use_reentrant=False, context_fn=contexts
+        )
+    if not blocks:
+        logger.warning(
+            "MODEL.ACT_CKPT: %s has no residual or transformer blocks to "
+            "checkpoint; nothing changes",
+            type(model).__name__,
+        )
+    return len(blocks)

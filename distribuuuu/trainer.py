@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from yacs.config import CfgNode
 
@@ -42,7 +41,15 @@ from distribuuuu.meters import (
     progress_bar,
 )
 from distribuuuu.models import build_model
-from distribuuuu.parallel import broadcast_buffers, unwrap_model, wrap_model
+from distribuuuu.parallel import (
+    broadcast_buffers,
+    enable_activation_checkpointing,
+    gradient_sync,
+    optimizer_state_dict,
+    shard_optimizer,
+    unwrap_model,
+    wrap_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -283,8 +290,7 @@ def _train_step(run: TrainState, batches, meter: MetricSums, clip: float) -> flo
         data_time += time.perf_counter() - tic
         images = images.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
-        sync = micro == accum - 1 or not isinstance(model, DistributedDataParallel)
-        with contextlib.nullcontext() if sync else model.no_sync():
+        with gradient_sync(model, sync=micro == accum - 1):
             with _autocast(device, run.amp_dtype):
                 logits = model(images)
                 loss = F.cross_entropy(logits, targets)
@@ -416,7 +422,7 @@ def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
     progress, plan = run.progress, run.plan
     state = {
         "model": unwrap_model(run.model).state_dict(),
-        "optimizer": run.optimizer.state_dict(),
+        "optimizer": optimizer_state_dict(run.optimizer),
         "scaler": run.scaler.state_dict(),
         "epoch": progress.epoch,
         "consumed": progress.consumed,
@@ -594,8 +600,13 @@ def _build_run(
     train_set, val_set = build_dataset(cfg, True), build_dataset(cfg, False)
     model = build_model(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, cfg.MODEL.PRETRAINED)
     size = reports.model_size(model)
+    if cfg.MODEL.ACT_CKPT:
+        blocks = enable_activation_checkpointing(model)
+        logger.info("activation checkpointing: %d blocks recompute", blocks)
     model = wrap_model(model, device, cfg.MODEL.SYNCBN, cfg.DIST.MODE)
     optimizer = optim.build_optimizer(model, cfg.OPTIM)
+    if cfg.DIST.STRATEGY == "zero1":
+        optimizer = shard_optimizer(optimizer)
     amp_dtype, use_scaler = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
     scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
     # Every rank loads the same file, so the replicas stay identical.
@@ -634,7 +645,7 @@ def _build_run(
         },
         "lr": cfg.OPTIM.BASE_LR * plan.lr_scale,
         "lr_policy": cfg.OPTIM.LR_POLICY,
-        "strategy": cfg.DIST.MODE,
+        "strategy": "dp" if cfg.DIST.MODE == "dp" else cfg.DIST.STRATEGY,
         "precision": "none" if amp_dtype is None else str(amp_dtype).split(".")[-1],
         "seed": f"{progress.seed}" + " (picked at random)" * (cfg.RNG_SEED is None),
         "start": start,

@@ -23,6 +23,7 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> N
 
 def run_on_ranks(world: int, fn, args: tuple, out_dir: str) -> list:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks; their results in order."""
+    os.makedirs(out_dir, exist_ok=True)
     mp.start_processes(
         _entry,
         args=(world, free_port(), fn, args, str(out_dir)),

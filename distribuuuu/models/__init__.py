@@ -84,3 +84,49 @@ def build_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Mod
                 "pretrained %s: head left freshly initialised: %s", name, skipped
             )
     return model
+
+
+def _block_types() -> tuple[type, ...]:
+    """Classes of the repeated blocks of the registry's model families."""
+    from torchvision.models import (
+        convnext,
+        efficientnet,
+        mobilenetv2,
+        mobilenetv3,
+        regnet,
+        resnet,
+        swin_transformer,
+        vision_transformer,
+    )
+
+    return (
+        small.BasicBlock,
+        resnet.BasicBlock,
+        resnet.Bottleneck,
+        efficientnet.MBConv,
+        efficientnet.FusedMBConv,
+        regnet.ResBottleneckBlock,
+        vision_transformer.EncoderBlock,
+        convnext.CNBlock,
+        swin_transformer.SwinTransformerBlock,
+        mobilenetv2.InvertedResidual,
+        mobilenetv3.InvertedResidual,
+    )
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The outermost residual / transformer blocks of ``model``, in order.
+
+    These are the units of activation checkpointing (and of sharding).
+    """
+    types, found = _block_types(), []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, types):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
