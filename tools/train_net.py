@@ -147,19 +147,6 @@ def _log_traceback(error: Exception) -> None:
             handler.handle(record)
 
 
-def _weights_refusal(error: Exception) -> str:
-    """Why torch.load(weights_only=True) refused a file, in one line."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if not lines or not lines[0].startswith("Weights only load failed"):
-        return f"not a readable checkpoint ({describe_error(error)})"
-    found = [line for line in lines if "GLOBAL" in line or "nsupported" in line]
-    detail = f" ({found[0]})" if found else ""
-    return (
-        "refused to load it: it holds pickled code or objects, which "
-        f"weights-only loading never runs{detail}"
-    )
-
-
 def _model_skeleton(arch: str, num_classes: int):
     """Model ``arch`` on the meta device (no memory, no init) or, failing that, CPU."""
     import torch
@@ -175,24 +162,20 @@ def _model_skeleton(arch: str, num_classes: int):
 
 def check_weights(path: str, arch: str, num_classes: int) -> None:
     """Load MODEL.WEIGHTS safely and match it to the model; raise ConfigError."""
-    import pickle
     import warnings
 
     from distribuuuu import checkpoint as cp
+    from distribuuuu.inference import CheckpointError, read_checkpoint
 
     try:
-        state = cp.load_file(path)
-    except pickle.UnpicklingError as error:
-        raise ConfigError(f"MODEL.WEIGHTS {path}: {_weights_refusal(error)}") from error
-    except Exception as error:  # torch.load raises many types for damaged files
-        raise ConfigError(
-            f"MODEL.WEIGHTS {path}: not a readable checkpoint ({describe_error(error)})"
-        ) from error
+        weights = read_checkpoint(path).weights
+    except CheckpointError as error:
+        raise ConfigError(f"MODEL.WEIGHTS {error}") from error
     model = _model_skeleton(arch, num_classes)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # copies into meta tensors are no-ops
-            cp.load_model_weights(model, state, path)
+            cp.load_model_weights(model, weights, path)
     except ValueError as error:
         raise ConfigError(f"MODEL.WEIGHTS {error}") from error
 
