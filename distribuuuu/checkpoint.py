@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -149,8 +150,17 @@ def model_state_dict(state: dict) -> dict:
     }
 
 
-def load_model_weights(model: nn.Module, state: dict, source: str) -> None:
-    """Load weights into ``model`` (unwrapped), naming the first mismatch."""
+def load_model_weights(
+    model: nn.Module,
+    state: dict,
+    source: str,
+    load: Callable[[dict], None] | None = None,
+) -> None:
+    """Load weights into ``model`` (unwrapped), naming the first mismatch.
+
+    ``load`` loads the checked weights instead of ``model.load_state_dict``
+    (for a model whose wrapper loads differently, such as FSDP's).
+    """
     weights = model_state_dict(state)
     own = model.state_dict()
     for key, value in own.items():
@@ -164,7 +174,7 @@ def load_model_weights(model: nn.Module, state: dict, source: str) -> None:
     extra = sorted(set(weights) - set(own))
     if extra:
         raise ValueError(f"{source}: unexpected key {extra[0]}; another architecture?")
-    model.load_state_dict(weights)
+    (load or model.load_state_dict)(weights)
 
 
 def capture_rng_state() -> dict:

@@ -71,6 +71,23 @@ _C.DATA.SYNTHETIC_SIZE = [512, 128]
 # in its place and logs a warning naming the file (once per process). Files are
 # checked as they are loaded, never decoded up front, so start-up stays fast
 _C.DATA.SKIP_CORRUPT = False
+# Auto-augment policy of the training images, applied after crop and flip on the
+# uint8 image: none | randaugment (RANDAUG_N operations of magnitude RANDAUG_M)
+# | trivialaugment (TrivialAugmentWide) | autoaugment (the learned policy of
+# CIFAR-10 for cifar*, of SVHN for mnist5k, of ImageNet otherwise)
+_C.DATA.AUTO_AUGMENT = "none"
+# RandAugment: number of operations per image (torchvision's default)
+_C.DATA.RANDAUG_N = 2
+# RandAugment: magnitude of every operation on torchvision's scale of 0-30 (its
+# default)
+_C.DATA.RANDAUG_M = 9
+# Probability of random erasing of a training image, after normalisation (0 =
+# off; DeiT uses 0.25)
+_C.DATA.RANDOM_ERASING = 0.0
+# Repeated augmentation: each sample of an epoch appears this many times, with a
+# different augmentation each time, on different processes; the epoch keeps its
+# length, so it holds 1/REPEATED_AUG of the distinct images (1 = off; DeiT uses 3)
+_C.DATA.REPEATED_AUG = 1
 
 # ---------------------------------------------------------------------------- #
 # Training
@@ -106,6 +123,21 @@ _C.TRAIN.MIXED_PRECISION = "none"
 _C.TRAIN.PRINT_FREQ = 20
 # k of the top-k accuracy (clipped to MODEL.NUM_CLASSES)
 _C.TRAIN.TOPK = 5
+# Label smoothing of the training loss (0 = off; 0.1 in Szegedy et al. 2016 and
+# DeiT); evaluation reports the plain cross-entropy
+_C.TRAIN.LABEL_SMOOTHING = 0.0
+# Mixup of the training batch: alpha of its Beta(alpha, alpha) mixing weight (0 =
+# off; DeiT uses 0.8). The loss uses the mixed (soft) targets; train top-1 and
+# top-k count against the original labels
+_C.TRAIN.MIXUP_ALPHA = 0.0
+# CutMix of the training batch: alpha of its Beta(alpha, alpha) area weight (0 =
+# off; DeiT uses 1.0)
+_C.TRAIN.CUTMIX_ALPHA = 0.0
+# Probability that a training batch is mixed at all (Mixup or CutMix on)
+_C.TRAIN.MIX_PROB = 1.0
+# With Mixup and CutMix both on: probability that a mixed batch uses CutMix rather
+# than Mixup
+_C.TRAIN.MIX_SWITCH_PROB = 0.5
 
 # ---------------------------------------------------------------------------- #
 # Evaluation
@@ -138,17 +170,35 @@ _C.CUDNN.DETERMINISTIC = False
 _C.OPTIM = CfgNode()
 # Number of training epochs
 _C.OPTIM.MAX_EPOCH = 10
-# Learning-rate policy: cos (cosine from BASE_LR to MIN_LR) | steps (multiply by
-# LR_MULT at each epoch in STEPS)
+# Optimizer: sgd (MOMENTUM, DAMPENING, NESTEROV) | adamw (torch.optim.AdamW with
+# BETAS and EPS; its WEIGHT_DECAY is decoupled from the gradient, Loshchilov &
+# Hutter 2019, and is typically about 0.05, as in DeiT)
+_C.OPTIM.OPTIMIZER = "sgd"
+# Learning-rate policy, set every iteration: cos (cosine from BASE_LR to MIN_LR)
+# | steps (multiply by LR_MULT at each epoch in STEPS) | exp (BASE_LR * LR_GAMMA
+# ** epoch) | linear (straight from BASE_LR to MIN_LR) | onecycle (cosine rise
+# from BASE_LR / ONECYCLE_DIV_FACTOR to BASE_LR over the first ONECYCLE_PCT_START
+# of MAX_EPOCH, then cosine fall to MIN_LR, as torch's OneCycleLR with
+# anneal_strategy "cos"). The warmup below multiplies every policy
 _C.OPTIM.LR_POLICY = "cos"
-# Learning rate for the global batch (no automatic scaling with world size)
+# Learning rate for the global batch (no automatic scaling with world size unless
+# REFERENCE_BATCH is set)
 _C.OPTIM.BASE_LR = 0.1
-# Final learning rate of the cos policy
+# Final learning rate of the cos, linear and onecycle policies
 _C.OPTIM.MIN_LR = 0.0
 # Epochs at which the steps policy multiplies the learning rate by LR_MULT
 _C.OPTIM.STEPS = []
 # Factor of the steps policy
 _C.OPTIM.LR_MULT = 0.1
+# Factor per epoch of the exp policy (EfficientNet, Tan & Le 2019: 0.97 every 2.4
+# epochs, i.e. 0.97 ** (1 / 2.4) = 0.9874 per epoch)
+_C.OPTIM.LR_GAMMA = 0.97
+# Fraction of MAX_EPOCH that the onecycle policy spends rising to BASE_LR
+# (torch's OneCycleLR default pct_start)
+_C.OPTIM.ONECYCLE_PCT_START = 0.3
+# The onecycle policy starts at BASE_LR / this (torch's OneCycleLR default
+# div_factor)
+_C.OPTIM.ONECYCLE_DIV_FACTOR = 25.0
 # SGD momentum
 _C.OPTIM.MOMENTUM = 0.9
 # SGD dampening
@@ -159,8 +209,21 @@ _C.OPTIM.NESTEROV = True
 _C.OPTIM.WARMUP_FACTOR = 0.1
 # Length of the linear warmup in epochs (may be fractional; applied per iteration)
 _C.OPTIM.WARMUP_EPOCHS = 1.0
-# L2 weight decay
+# Weight decay: L2 added to the gradient for sgd, decoupled for adamw
 _C.OPTIM.WEIGHT_DECAY = 5e-4
+# Weight decay 0 for the parameters of normalization layers (found by module
+# type: BatchNorm, SyncBN, GroupNorm, LayerNorm, InstanceNorm, RMSNorm) and for
+# every bias; ViT class tokens and position embeddings keep WEIGHT_DECAY. The
+# log gives the tensors and parameters of each group
+_C.OPTIM.NO_DECAY_NORM_BIAS = False
+# AdamW coefficients of the running averages of the gradient and its square
+_C.OPTIM.BETAS = [0.9, 0.999]
+# AdamW term added to the denominator for numerical stability
+_C.OPTIM.EPS = 1e-8
+# Linear scaling rule (Goyal et al. 2017): when > 0 the learning rate is
+# multiplied by global batch / REFERENCE_BATCH, so BASE_LR is the learning rate
+# for REFERENCE_BATCH images (e.g. 0.1 for 256 in the ResNet recipe); 0 = off
+_C.OPTIM.REFERENCE_BATCH = 0
 # Clip the global gradient norm to this value (0 = no clipping)
 _C.OPTIM.CLIP_GRAD_NORM = 0.0
 
@@ -180,8 +243,12 @@ _C.DIST.MODE = "ddp"
 _C.DIST.REQUEUE = False
 # How model and optimizer state are spread over the processes: ddp (every rank
 # holds everything) | zero1 (DDP, optimizer state sharded across ranks with
-# ZeroRedundancyOptimizer; checkpoints are consolidated on rank 0)
+# ZeroRedundancyOptimizer) | fsdp (parameters, gradients and optimizer state
+# sharded with FSDP2 fully_shard, per block). Checkpoints are gathered on rank 0
 _C.DIST.STRATEGY = "ddp"
+# FSDP only: keep the sharded parameters and gradients in host memory (the
+# optimizer step runs on the CPU)
+_C.DIST.FSDP_CPU_OFFLOAD = False
 
 # ---------------------------------------------------------------------------- #
 # Checkpoints
@@ -211,7 +278,11 @@ _C.RNG_SEED = 1
 # Keys whose default is null, with the type they take otherwise.
 _NULLABLE = {"MODEL.WEIGHTS": str, "RNG_SEED": int}
 # Element type of list keys (checked on every element).
-_LIST_ITEMS = {"OPTIM.STEPS": (int, float), "DATA.SYNTHETIC_SIZE": (int,)}
+_LIST_ITEMS = {
+    "OPTIM.STEPS": (int, float),
+    "OPTIM.BETAS": (int, float),
+    "DATA.SYNTHETIC_SIZE": (int,),
+}
 # Old names still accepted, mapped to the current key with a warning.
 _RENAMED = {
     "TRAIN.PRINT_FEQ": "TRAIN.PRINT_FREQ",
@@ -220,12 +291,14 @@ _RENAMED = {
 }
 
 DATA_NAMES = ("auto", "mnist5k", "imagefolder", "cifar10", "cifar100", "synthetic")
-LR_POLICIES = ("cos", "steps")
+LR_POLICIES = ("cos", "steps", "exp", "linear", "onecycle")
+OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("", "nccl", "gloo")
 DIST_MODES = ("ddp", "dp")
-STRATEGIES = ("ddp", "zero1")
+STRATEGIES = ("ddp", "zero1", "fsdp")
 PRECISIONS = ("none", "bf16", "fp16")
+AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
 # Classes of the data sets with a fixed label set.
 _FIXED_CLASSES = {"mnist5k": 10, "cifar10": 10, "cifar100": 100}
 
@@ -434,12 +507,30 @@ _RANGES = {
     "TRAIN.WORKERS": (lambda v: v >= 0, "must be >= 0"),
     "TRAIN.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
     "TRAIN.TOPK": (lambda v: v >= 1, "must be >= 1"),
+    "TRAIN.LABEL_SMOOTHING": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "TRAIN.MIXUP_ALPHA": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "TRAIN.CUTMIX_ALPHA": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "TRAIN.MIX_PROB": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "TRAIN.MIX_SWITCH_PROB": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "DATA.RANDAUG_N": (lambda v: v >= 1, "must be >= 1"),
+    "DATA.RANDAUG_M": (lambda v: 0 <= v <= 30, "must be in [0, 30]"),
+    "DATA.RANDOM_ERASING": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
+    "DATA.REPEATED_AUG": (lambda v: v >= 1, "must be >= 1 (1 = off)"),
     "TEST.BATCH_SIZE": (lambda v: v >= 1, "must be >= 1"),
     "TEST.IM_SIZE": (lambda v: v >= 1, "must be >= 1"),
     "TEST.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
     "OPTIM.MAX_EPOCH": (lambda v: v >= 1, "must be >= 1"),
     "OPTIM.BASE_LR": (lambda v: v > 0, "must be > 0"),
     "OPTIM.LR_MULT": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "OPTIM.LR_GAMMA": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "OPTIM.ONECYCLE_PCT_START": (lambda v: 0 < v < 1, "must be in (0, 1)"),
+    "OPTIM.ONECYCLE_DIV_FACTOR": (lambda v: v >= 1, "must be >= 1"),
+    "OPTIM.BETAS": (
+        lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
+        "must be [beta1, beta2], both in [0, 1)",
+    ),
+    "OPTIM.EPS": (lambda v: v > 0, "must be > 0"),
+    "OPTIM.REFERENCE_BATCH": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "OPTIM.MOMENTUM": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "OPTIM.DAMPENING": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "OPTIM.WARMUP_FACTOR": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
@@ -460,7 +551,9 @@ _RANGES = {
 # Keys with a fixed set of values.
 _CHOICES = {
     "DATA.NAME": DATA_NAMES,
+    "DATA.AUTO_AUGMENT": AUTO_AUGMENTS,
     "OPTIM.LR_POLICY": LR_POLICIES,
+    "OPTIM.OPTIMIZER": OPTIMIZERS,
     "DIST.BACKEND": BACKENDS,
     "DIST.MODE": DIST_MODES,
     "DIST.STRATEGY": STRATEGIES,
@@ -543,7 +636,7 @@ def validate_cfg(cfg: CfgNode) -> None:
         steps,
         f"must be increasing epochs between 0 and OPTIM.MAX_EPOCH={epochs}",
     )
-    if optim.NESTEROV:
+    if optim.OPTIMIZER == "sgd" and optim.NESTEROV:
         _check(
             optim.MOMENTUM > 0 and optim.DAMPENING == 0,
             "OPTIM.NESTEROV",
@@ -556,6 +649,19 @@ def validate_cfg(cfg: CfgNode) -> None:
         cfg.DIST.STRATEGY,
         "shards over processes, so it needs DIST.MODE ddp",
     )
+    if cfg.DIST.STRATEGY == "fsdp":
+        _check(
+            not cfg.MODEL.SYNCBN,
+            "MODEL.SYNCBN",
+            True,
+            "is not supported with DIST.STRATEGY fsdp",
+        )
+        _check(
+            cfg.TRAIN.MIXED_PRECISION != "fp16",
+            "TRAIN.MIXED_PRECISION",
+            "fp16",
+            "is not supported with DIST.STRATEGY fsdp; use bf16",
+        )
     _check(
         cfg.TEST.IM_SIZE >= cfg.TRAIN.IM_SIZE,
         "TEST.IM_SIZE",

@@ -1,5 +1,5 @@
-"""Wrap a model for the run: device placement, SyncBN, DDP, ZeRO, activation
-checkpointing."""
+"""Wrap a model for the run: device placement, SyncBN, DDP, ZeRO-1, FSDP2,
+activation checkpointing; and the state of whatever wraps it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,21 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
@@ -28,7 +43,13 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def wrap_model(
-    model: nn.Module, device: torch.device, syncbn: bool, mode: str = "ddp"
+    model: nn.Module,
+    device: torch.device,
+    syncbn: bool,
+    mode: str = "ddp",
+    strategy: str = "ddp",
+    cpu_offload: bool = False,
+    param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Move ``model`` to ``device`` and wrap it for the process group, if any.
 
@@ -39,10 +60,17 @@ def wrap_model(
             ``nn.SyncBatchNorm`` on CUDA, :class:`GroupSyncBatchNorm` elsewhere.
         mode: "ddp", or "dp" for DataParallel over all visible GPUs in this
             one process (falls back to ``device`` alone with fewer than 2).
+        strategy: "ddp" and "zero1" wrap the model in DDP; "fsdp" shards it
+            with FSDP2 ``fully_shard``.
+        cpu_offload: FSDP only: keep parameters and gradients in host memory.
+        param_dtype: FSDP only: the dtype of the gathered parameters that the
+            forward and backward passes compute with (None: as stored).
     """
     if mode == "dp":
         return _wrap_data_parallel(model, device)
     distributed = du.is_distributed()
+    if strategy == "fsdp" and distributed:
+        return _shard_fully(model.to(device), device, cpu_offload, param_dtype)
     if syncbn and distributed:
         if device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -55,6 +83,42 @@ def wrap_model(
         device_ids = [device.index] if device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids)
     return model
+
+
+def _shard_fully(
+    model: nn.Module,
+    device: torch.device,
+    cpu_offload: bool,
+    param_dtype: torch.dtype | None,
+) -> nn.Module:
+    """FSDP2 (ZeRO-3): shard every block, then the rest, over all ranks."""
+    options = {
+        "mesh": init_device_mesh(device.type, (du.get_world_size(),)),
+        "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        if cpu_offload
+        else OffloadPolicy(),
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=param_dtype,
+            reduce_dtype=torch.float32 if param_dtype is not None else None,
+        ),
+    }
+    blocks = find_blocks(model)
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    logger.info(
+        "FSDP: parameters, gradients and optimizer state sharded over %d ranks "
+        "in %d blocks + the rest%s",
+        du.get_world_size(),
+        len(blocks),
+        "; parameters and gradients kept in host memory" * cpu_offload,
+    )
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True for a model sharded with FSDP, whose forward is a collective."""
+    return isinstance(model, FSDPModule)
 
 
 def _wrap_data_parallel(model: nn.Module, device: torch.device) -> nn.Module:
@@ -95,7 +159,13 @@ def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
 
     For the micro-batches of gradient accumulation: DDP's ``no_sync``.
     """
-    if sync or not isinstance(model, DistributedDataParallel):
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    elif sync or not isinstance(model, DistributedDataParallel):
         yield
     else:
         with model.no_sync():
@@ -121,12 +191,71 @@ def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return sharded
 
 
-def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
-    """The whole optimizer state on rank 0 (a collective for ZeRO); {} elsewhere."""
+# Whole (unsharded) state dicts, gathered on the CPU of rank 0.
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def model_state_dict(model: nn.Module) -> dict:
+    """The whole model's state_dict, without wrapper prefixes.
+
+    A collective for FSDP (rank 0 gets it, the others {}).
+    """
+    if isinstance(model, FSDPModule):
+        return get_model_state_dict(model, options=_FULL)
+    return unwrap_model(model).state_dict()
+
+
+def load_model_state(model: nn.Module, weights: dict) -> None:
+    """Load a whole state_dict (every rank passes it) into the wrapped model."""
+    if isinstance(model, FSDPModule):
+        set_model_state_dict(model, weights, options=_FULL)
+    else:
+        unwrap_model(model).load_state_dict(weights)
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The whole optimizer state on rank 0 ({} elsewhere for ZeRO and FSDP).
+
+    A collective for ZeRO (consolidated on rank 0) and FSDP (gathered, keyed
+    by parameter name instead of index).
+    """
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.consolidate_state_dict(to=0)
         return optimizer.state_dict() if du.is_main_process() else {}
+    if isinstance(model, FSDPModule):
+        return get_optimizer_state_dict(model, optimizer, options=_FULL)
     return optimizer.state_dict()
+
+
+def _rekey(state: dict, old: list, new: list) -> dict:
+    """An optimizer state_dict with its parameter keys ``old`` renamed ``new``."""
+    rename = dict(zip(old, new))
+    groups = [
+        {**group, "params": [rename[key] for key in group["params"]]}
+        for group in state["param_groups"]
+    ]
+    states = {rename[key]: value for key, value in state["state"].items()}
+    return {"state": states, "param_groups": groups}
+
+
+def load_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
+    """Load a state of :func:`optimizer_state_dict` (every rank passes it).
+
+    States keyed by parameter index (DDP, ZeRO) and by parameter name (FSDP)
+    are converted into each other, so a run can change strategy on resume.
+    """
+    owner = {param: name for name, param in unwrap_model(model).named_parameters()}
+    names = [owner[p] for group in optimizer.param_groups for p in group["params"]]
+    indices = list(range(len(names)))
+    saved = [key for group in state["param_groups"] for key in group["params"]]
+    by_name = any(isinstance(key, str) for key in saved)
+    if isinstance(model, FSDPModule):
+        full = state if by_name else _rekey(state, indices, names)
+        set_optimizer_state_dict(model, optimizer, full, options=_FULL)
+    else:
+        optimizer.load_state_dict(_rekey(state, names, indices) if by_name else state)
 
 
 @contextlib.contextmanager

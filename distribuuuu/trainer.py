@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -32,6 +33,7 @@ from distribuuuu.logger import (
     set_status,
     setup_logging,
 )
+from distribuuuu.losses import TrainLoss, build_train_loss, mix_seed
 from distribuuuu.meters import (
     ConfusionMatrix,
     MetricSums,
@@ -45,6 +47,10 @@ from distribuuuu.parallel import (
     broadcast_buffers,
     enable_activation_checkpointing,
     gradient_sync,
+    is_sharded,
+    load_model_state,
+    load_optimizer_state,
+    model_state_dict,
     optimizer_state_dict,
     shard_optimizer,
     unwrap_model,
@@ -195,10 +201,14 @@ def plan_batches(cfg: CfgNode, world_size: int, saved: dict | None) -> BatchPlan
     On another world size the global batch is kept (per-process batch
     recomputed) unless ``TRAIN.RESUME_BATCH per_rank``, which keeps the
     per-process batch and scales the learning rate with the global batch.
+    A fresh run starts from the linear scaling rule of
+    ``OPTIM.REFERENCE_BATCH`` (1 when it is off).
     """
     accum = cfg.TRAIN.ACCUM_STEPS
     if saved is None:
-        return BatchPlan(cfg.TRAIN.BATCH_SIZE, accum, world_size)
+        per_rank = cfg.TRAIN.BATCH_SIZE
+        scale = optim.reference_lr_scale(cfg.OPTIM, per_rank * accum * world_size)
+        return BatchPlan(per_rank, accum, world_size, scale)
     old_global, lr_scale = saved["global_batch"], saved["lr_scale"]
     per_rank = saved["batch_per_rank"] * saved["accum"] // accum
     if saved["world_size"] == world_size:
@@ -249,6 +259,7 @@ def train_epoch(
     first = progress.consumed // plan.global_batch
     total = first + len(loader) // plan.accum
     meter = MetricSums(run.device, min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES))
+    loss_fn = build_train_loss(cfg.TRAIN, cfg.MODEL.NUM_CLASSES)
     status = _TrainStatus(cfg, run, first, total) if live_console() else None
     batches = iter(loader)
     data_time, window_start = 0.0, time.perf_counter()
@@ -256,7 +267,9 @@ def train_epoch(
         for step in range(first, total):
             lr = optim.lr_at(cfg.OPTIM, progress.epoch + step / total) * plan.lr_scale
             optim.set_lr(run.optimizer, lr)
-            data_time += _train_step(run, batches, meter, cfg.OPTIM.CLIP_GRAD_NORM)
+            data_time += _train_step(
+                run, batches, meter, loss_fn, cfg.OPTIM.CLIP_GRAD_NORM
+            )
             progress.consumed += plan.global_batch
             run.clock.step()
             if (step + 1) % cfg.TRAIN.PRINT_FREQ == 0 or step + 1 == total:
@@ -277,12 +290,19 @@ def train_epoch(
         end_status(keep=True)
 
 
-def _train_step(run: TrainState, batches, meter: MetricSums, clip: float) -> float:
+def _train_step(
+    run: TrainState, batches, meter: MetricSums, loss_fn: TrainLoss, clip: float
+) -> float:
     """One optimizer step of ``plan.accum`` micro-batches; seconds spent on data.
 
-    DDP synchronizes gradients on the last micro-batch only.
+    DDP synchronizes gradients on the last micro-batch only.  ``loss_fn``
+    mixes each micro-batch on the device (seeded by the micro-batch's place in
+    the epoch) and gives its loss; top-1/top-k count the original labels.
     """
     model, device, accum = run.model, run.device, run.plan.accum
+    progress, plan = run.progress, run.plan
+    # Micro-batch m of this rank starts at global position first + m * stride.
+    first, stride = progress.consumed + du.get_rank(), plan.per_rank * plan.world_size
     data_time = 0.0
     for micro in range(accum):
         tic = time.perf_counter()
@@ -290,10 +310,12 @@ def _train_step(run: TrainState, batches, meter: MetricSums, clip: float) -> flo
         data_time += time.perf_counter() - tic
         images = images.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
+        seed = mix_seed(progress.seed, progress.epoch, first + micro * stride)
+        images, targets, loss_targets = loss_fn.mix(images, targets, seed)
         with gradient_sync(model, sync=micro == accum - 1):
             with _autocast(device, run.amp_dtype):
                 logits = model(images)
-                loss = F.cross_entropy(logits, targets)
+                loss = loss_fn(logits, loss_targets)
             run.scaler.scale(loss / accum).backward()
         meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
     _optimizer_step(model, run.optimizer, run.scaler, clip)
@@ -396,6 +418,8 @@ def evaluate(
     sums = MetricSums(device, topk)
     confusion = ConfusionMatrix(device, num_classes)
     iters = min(len(loader), max_iters or len(loader))
+    # Forward passes this rank must add on empty batches to match the others.
+    missing = du.all_reduce_max_int(iters) - iters if is_sharded(model) else 0
     live = live_console()
     for it, (images, targets) in enumerate(loader):
         if it == iters:
@@ -412,6 +436,12 @@ def evaluate(
             set_status(f"val {bar} {it + 1}/{iters}", force=it == 0)
         elif (it + 1) % print_freq == 0 and it + 1 < iters:
             logger.info("eval it %d/%d", it + 1, iters)
+    if missing:  # a sharded forward is a collective: run as often as the rest
+        image = loader.dataset[0][0]
+        empty = image.new_empty((0, *image.shape)).to(device)
+        for _ in range(missing):
+            with _autocast(device, amp_dtype):
+                model(empty)
     end_status(keep=False)
     stats = sums.reduce()
     return stats, confusion.reduce()
@@ -421,8 +451,8 @@ def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
     """Gather every rank's RNG state; rank 0 writes the checkpoint of the run."""
     progress, plan = run.progress, run.plan
     state = {
-        "model": unwrap_model(run.model).state_dict(),
-        "optimizer": optimizer_state_dict(run.optimizer),
+        "model": model_state_dict(run.model),
+        "optimizer": optimizer_state_dict(run.model, run.optimizer),
         "scaler": run.scaler.state_dict(),
         "epoch": progress.epoch,
         "consumed": progress.consumed,
@@ -453,8 +483,9 @@ def _resume_or_load(cfg, model, optimizer, scaler) -> tuple[Progress, dict | Non
         found = cp.find_resume_checkpoint(cfg.OUT_DIR)
         if found is not None:
             path, state = found
-            cp.load_model_weights(unwrap_model(model), state, path)
-            optimizer.load_state_dict(state["optimizer"])
+            load = functools.partial(load_model_state, model)
+            cp.load_model_weights(unwrap_model(model), state, path, load)
+            load_optimizer_state(model, optimizer, state["optimizer"])
             if state.get("scaler"):
                 scaler.load_state_dict(state["scaler"])
             progress = Progress(
@@ -468,12 +499,13 @@ def _resume_or_load(cfg, model, optimizer, scaler) -> tuple[Progress, dict | Non
             return progress, state, start
     if cfg.MODEL.WEIGHTS:
         state = cp.load_file(cfg.MODEL.WEIGHTS)
-        cp.load_model_weights(unwrap_model(model), state, cfg.MODEL.WEIGHTS)
+        load = functools.partial(load_model_state, model)
+        cp.load_model_weights(unwrap_model(model), state, cfg.MODEL.WEIGHTS, load)
         with_optimizer = (
             cfg.TRAIN.LOAD_OPT and isinstance(state, dict) and "optimizer" in state
         )
         if with_optimizer:
-            optimizer.load_state_dict(state["optimizer"])
+            load_optimizer_state(model, optimizer, state["optimizer"])
         start = f"weights from {cfg.MODEL.WEIGHTS}" + " and its optimizer" * (
             with_optimizer
         )
@@ -603,11 +635,19 @@ def _build_run(
     if cfg.MODEL.ACT_CKPT:
         blocks = enable_activation_checkpointing(model)
         logger.info("activation checkpointing: %d blocks recompute", blocks)
-    model = wrap_model(model, device, cfg.MODEL.SYNCBN, cfg.DIST.MODE)
+    amp_dtype, use_scaler = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
+    model = wrap_model(
+        model,
+        device,
+        cfg.MODEL.SYNCBN,
+        cfg.DIST.MODE,
+        cfg.DIST.STRATEGY,
+        cfg.DIST.FSDP_CPU_OFFLOAD,
+        amp_dtype if cfg.DIST.STRATEGY == "fsdp" else None,
+    )
     optimizer = optim.build_optimizer(model, cfg.OPTIM)
     if cfg.DIST.STRATEGY == "zero1":
         optimizer = shard_optimizer(optimizer)
-    amp_dtype, use_scaler = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
     scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
     # Every rank loads the same file, so the replicas stay identical.
     progress, saved, start = _resume_or_load(cfg, model, optimizer, scaler)
@@ -773,9 +813,12 @@ def _log_eval_and_save(
     if measured.size:
         run.writer.histogram("val/per_class_top1", measured, epoch)
     run.writer.write(record, scalars, epoch)
-    if is_best and du.is_main_process():
+    if not is_best:
+        return
+    whole = model_state_dict(run.model)  # a collective for FSDP
+    if du.is_main_process():
         weights = {
-            "model": unwrap_model(run.model).state_dict(),
+            "model": whole,
             "epoch": epoch,
             "top1": stats["top1"],
             "arch": cfg.MODEL.ARCH,

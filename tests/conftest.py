@@ -120,6 +120,11 @@ def torchrun(nproc: int, *args: str, timeout: float = 300):
     return run(cmd, timeout=timeout)
 
 
+def opts(text: str) -> list[str]:
+    """Command-line KEY VALUE words written as one string."""
+    return text.split()
+
+
 def read_text(*parts: str) -> str:
     """The text of the file at ``os.path.join(*parts)``."""
     with open(os.path.join(*parts), encoding="utf-8") as f:

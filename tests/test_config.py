@@ -115,7 +115,7 @@ def test_original_full_recipe_dump_loads(tmp_path):
         (["MODEL.ARCH", "nosuchnet"], ["MODEL.ARCH", "'nosuchnet'", "choose one of"]),
         (["MODEL.ARCH", "resnet181"], ["did you mean resnet18"]),
         (["TRAIN.BATCH_SIZE", "0"], ["TRAIN.BATCH_SIZE", "must be >= 1"]),
-        (["OPTIM.LR_POLICY", "linear"], ["OPTIM.LR_POLICY", "cos, steps"]),
+        (["OPTIM.LR_POLICY", "lin"], ["OPTIM.LR_POLICY", "cos, steps, exp"]),
         (["OPTIM.BASE_LR", "[1, 2]"], ["OPTIM.BASE_LR", "expected a number"]),
         (
             ["OPTIM.STEPS", "[5, 2]", "OPTIM.MAX_EPOCH", "9"],

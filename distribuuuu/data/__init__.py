@@ -13,7 +13,11 @@ from distribuuuu.config import resolve_data_name
 from distribuuuu.data import datasets as ds
 from distribuuuu.data.datasets import DataError
 from distribuuuu.data.samplers import ExactShardSampler, ResumableTrainSampler
-from distribuuuu.data.transforms import imagenet_transforms, small_image_transforms
+from distribuuuu.data.transforms import (
+    auto_augment,
+    imagenet_transforms,
+    small_image_transforms,
+)
 
 __all__ = [
     "DataError",
@@ -33,19 +37,34 @@ _SMALL_IMAGES = {
     "cifar10": (32, ds.CIFAR10_MEAN, ds.CIFAR10_STD, True),
     "cifar100": (32, ds.CIFAR100_MEAN, ds.CIFAR100_STD, True),
 }
+# DATA.NAME -> the AutoAugment policy learned for it (Cubuk et al. 2019 learned
+# policies on CIFAR-10, SVHN and ImageNet): CIFAR's for CIFAR, the SVHN (house
+# number digits) policy for the digits, ImageNet's for everything else.
+_AUTO_AUGMENT_POLICY = {"mnist5k": "svhn", "cifar10": "cifar10", "cifar100": "cifar10"}
+
+
+def _train_augment(cfg: CfgNode, name: str) -> tuple[v2.Transform | None, float]:
+    """The auto-augment transform (or None) and random erasing probability."""
+    policy = _AUTO_AUGMENT_POLICY.get(name, "imagenet")
+    data = cfg.DATA
+    augment = auto_augment(data.AUTO_AUGMENT, policy, data.RANDAUG_N, data.RANDAUG_M)
+    return augment, data.RANDOM_ERASING
 
 
 def _transform(cfg: CfgNode, name: str, train: bool) -> v2.Compose:
     """The train or eval transform of data set ``name`` (images as it serves them)."""
     size = cfg.TRAIN.IM_SIZE
+    augment, erasing = _train_augment(cfg, name) if train else (None, 0.0)
     if name == "imagefolder":
-        return imagenet_transforms(
-            train, size, cfg.TEST.IM_SIZE, ds.IMAGENET_MEAN, ds.IMAGENET_STD
-        )
+        mean, std = ds.IMAGENET_MEAN, ds.IMAGENET_STD
+        test_size = cfg.TEST.IM_SIZE
+        return imagenet_transforms(train, size, test_size, mean, std, augment, erasing)
     native, mean, std, flip = _SMALL_IMAGES.get(
         name, (size, ds.IMAGENET_MEAN, ds.IMAGENET_STD, True)
     )
-    return small_image_transforms(train, size, native, mean, std, flip)
+    return small_image_transforms(
+        train, size, native, mean, std, flip, augment, erasing
+    )
 
 
 def build_test_transform(cfg: CfgNode) -> v2.Compose:
@@ -187,9 +206,12 @@ def build_train_loader(
 
     Call ``loader.sampler.set_epoch(epoch, start)`` before each epoch. The
     last incomplete batch of a rank is dropped, so that every optimizer step
-    has the same size (BatchNorm also needs more than one sample).
+    has the same size (BatchNorm also needs more than one sample). With
+    ``DATA.REPEATED_AUG`` k > 1 an epoch holds each of its samples k times
+    (see :class:`ResumableTrainSampler`).
     """
-    sampler = ResumableTrainSampler(len(dataset), rank, world_size, seed)
+    repeats = cfg.DATA.REPEATED_AUG
+    sampler = ResumableTrainSampler(len(dataset), rank, world_size, seed, repeats)
     return DataLoader(
         SeededDataset(dataset),
         batch_size=batch_size,

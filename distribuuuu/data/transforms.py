@@ -6,6 +6,44 @@ import torch
 from torchvision.transforms import v2
 
 
+def auto_augment(
+    name: str, policy: str = "imagenet", num_ops: int = 2, magnitude: int = 9
+) -> v2.Transform | None:
+    """The auto-augment transform ``name`` (DATA.AUTO_AUGMENT); None for none.
+
+    Args:
+        name: none | randaugment | trivialaugment | autoaugment.
+        policy: AutoAugment's learned policy: imagenet | cifar10 | svhn.
+        num_ops, magnitude: RandAugment's N and M (M on its 0-30 scale).
+
+    Bilinear interpolation, as torchvision's classification reference uses.
+    They take uint8 tensors or PIL images, so they come before ToDtype.
+    """
+    bilinear = v2.InterpolationMode.BILINEAR
+    if name == "none":
+        return None
+    if name == "randaugment":
+        return v2.RandAugment(num_ops, magnitude, interpolation=bilinear)
+    if name == "trivialaugment":
+        return v2.TrivialAugmentWide(interpolation=bilinear)
+    if name == "autoaugment":
+        return v2.AutoAugment(v2.AutoAugmentPolicy(policy), interpolation=bilinear)
+    raise ValueError(f"unknown auto-augment {name!r}")
+
+
+def _to_normalized(
+    mean: tuple, std: tuple, augment: v2.Transform | None, erasing: float
+) -> list:
+    """The end of a pipeline: auto-augment on uint8, float, normalise, erase."""
+    steps = [] if augment is None else [augment]
+    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
+    if erasing > 0:
+        # After normalisation, as in torchvision's reference: erased pixels
+        # become 0, the mean colour.
+        steps.append(v2.RandomErasing(p=erasing))
+    return steps
+
+
 def small_image_transforms(
     train: bool,
     im_size: int,
@@ -13,14 +51,18 @@ def small_image_transforms(
     mean: tuple,
     std: tuple,
     flip: bool,
+    augment: v2.Transform | None = None,
+    erasing: float = 0.0,
 ) -> v2.Compose:
     """Transforms for uint8 tensors of 28-32 px images (digits, CIFAR).
 
     Training: random crop of ``im_size`` after zero padding by 1/8 of the size
     (4 px at 32 px, as in He et al. 2016 for CIFAR; 3 px at 28 px), plus a
-    horizontal flip where the classes allow it (not for digits).  Testing:
-    the full image.  Images are first resized when ``im_size`` differs from
-    their native size.
+    horizontal flip where the classes allow it (not for digits), then
+    ``augment`` (see :func:`auto_augment`) and, after normalisation, random
+    erasing with probability ``erasing``.  Testing: the full image (no
+    ``augment``, no erasing).  Images are first resized when ``im_size``
+    differs from their native size.
     """
     steps: list = []
     if im_size != native_size:
@@ -29,18 +71,27 @@ def small_image_transforms(
         steps.append(v2.RandomCrop(im_size, padding=max(1, im_size // 8)))
         if flip:
             steps.append(v2.RandomHorizontalFlip())
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
-    return v2.Compose(steps)
+    else:
+        augment, erasing = None, 0.0
+    return v2.Compose(steps + _to_normalized(mean, std, augment, erasing))
 
 
 def imagenet_transforms(
-    train: bool, train_size: int, test_size: int, mean: tuple, std: tuple
+    train: bool,
+    train_size: int,
+    test_size: int,
+    mean: tuple,
+    std: tuple,
+    augment: v2.Transform | None = None,
+    erasing: float = 0.0,
 ) -> v2.Compose:
     """ImageNet-style transforms for PIL images.
 
-    Training: RandomResizedCrop(train_size) and a horizontal flip.  Testing:
-    resize the shorter side to ``test_size``, then centre-crop ``train_size``
-    (256 -> 224 in the usual ImageNet recipe).
+    Training: RandomResizedCrop(train_size), a horizontal flip, ``augment``
+    (on the uint8 image) and, after normalisation, random erasing with
+    probability ``erasing``.  Testing: resize the shorter side to
+    ``test_size``, then centre-crop ``train_size`` (256 -> 224 in the usual
+    ImageNet recipe), without ``augment`` or erasing.
     """
     if train:
         steps = [
@@ -49,9 +100,6 @@ def imagenet_transforms(
         ]
     else:
         steps = [v2.Resize(test_size, antialias=True), v2.CenterCrop(train_size)]
-    steps += [
-        v2.PILToTensor(),
-        v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize(mean, std),
-    ]
-    return v2.Compose(steps)
+        augment, erasing = None, 0.0
+    steps.append(v2.PILToTensor())
+    return v2.Compose(steps + _to_normalized(mean, std, augment, erasing))

@@ -1,0 +1,115 @@
+"""The training loss: Mixup / CutMix of the batch, label smoothing, cross-entropy.
+
+Mixing happens on the device, after the copy of the micro-batch: a few
+element-wise operations on tensors already there, instead of work in every
+data loader worker.  Its random draws (which mix, the Beta weight, the CutMix
+box, the pairing) come from torch's CPU generator seeded with :func:`mix_seed`
+of the micro-batch's place in the epoch, inside ``fork_rng``: like the
+per-sample augmentation, they depend on (RNG_SEED, epoch, position) only, so a
+resumed run mixes exactly as the uninterrupted one, for any number of loader
+workers, and switching mixing on leaves the rest of the run's random stream
+(dropout, ...) as it was.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torchvision.transforms import v2
+from yacs.config import CfgNode
+
+from distribuuuu.data.samplers import sample_seed
+
+# Flipped in a sample seed to make a mixing seed: the two sets of seeds never
+# meet (they would need sample seeds exactly 2**62 apart).
+_MIX_SALT = 1 << 62
+
+
+def mix_seed(seed: int, epoch: int, position: int) -> int:
+    """The seed of the mixing of the micro-batch starting at global ``position``."""
+    return sample_seed(seed, epoch, position) ^ _MIX_SALT
+
+
+def build_mixer(
+    num_classes: int,
+    mixup_alpha: float = 0.0,
+    cutmix_alpha: float = 0.0,
+    mix_prob: float = 1.0,
+    switch_prob: float = 0.5,
+) -> v2.Transform | None:
+    """torchvision's Mixup and/or CutMix of a batch; None when mixing is off.
+
+    The transform maps ``(images, labels)`` to ``(mixed images, soft labels)``
+    (N x num_classes).  With both on, a mixed batch uses CutMix with
+    probability ``switch_prob``; a batch is mixed at all with ``mix_prob``.
+    """
+    mixers, weights = [], []
+    if cutmix_alpha > 0:
+        mixers.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
+        weights.append(switch_prob)
+    if mixup_alpha > 0:
+        mixers.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
+        weights.append(1.0 - switch_prob)
+    if not mixers or mix_prob <= 0:
+        return None
+    mixer = mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers, p=weights)
+    return mixer if mix_prob >= 1 else v2.RandomApply([mixer], p=mix_prob)
+
+
+class TrainLoss:
+    """Mixes a training micro-batch and computes its loss.
+
+    Without mixing and label smoothing it is ``F.cross_entropy(logits,
+    targets)``, bit for bit.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        label_smoothing: float = 0.0,
+        mixer: v2.Transform | None = None,
+    ):
+        self.num_classes = num_classes
+        self.label_smoothing = label_smoothing
+        self.mixer = mixer
+
+    def mix(
+        self, images: torch.Tensor, targets: torch.Tensor, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(images, labels, loss targets)`` to train on; unchanged without mixing.
+
+        The batch is first put in a random order, because torchvision pairs
+        each sample with its neighbour and repeated augmentation may place
+        copies of one image side by side; ``labels`` are the original labels
+        in that order (for top-1), ``loss targets`` the soft mixed ones.
+        """
+        if self.mixer is None:
+            return images, targets, targets
+        with torch.random.fork_rng(devices=[]):  # the CPU generator only
+            torch.default_generator.manual_seed(seed)
+            order = torch.randperm(len(targets)).to(targets.device)
+            images, targets = images[order], targets[order]
+            mixed, soft = self.mixer(images, targets)
+        return mixed, targets, soft
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy against class indices or soft targets (N x C).
+
+        Label smoothing mixes every target with the uniform distribution,
+        ``(1 - eps) * target + eps / C``, soft targets included; as smoothing
+        and cross-entropy are linear in the target, the loss of a mixed batch
+        is the mixture of the smoothed losses of its two labels.
+        """
+        return F.cross_entropy(logits, targets, label_smoothing=self.label_smoothing)
+
+
+def build_train_loss(train: CfgNode, num_classes: int) -> TrainLoss:
+    """The training loss of the ``TRAIN`` section of a cfg."""
+    mixer = build_mixer(
+        num_classes,
+        train.MIXUP_ALPHA,
+        train.CUTMIX_ALPHA,
+        train.MIX_PROB,
+        train.MIX_SWITCH_PROB,
+    )
+    return TrainLoss(num_classes, train.LABEL_SMOOTHING, mixer)
