@@ -4,32 +4,50 @@ Layout under ``OUT_DIR``::
 
     checkpoints/ckpt_ep_0007.pth          full training state after epoch 7
     checkpoints/ckpt_ep_0007_it_0120.pth  ... after 7 epochs and 120 steps
+    checkpoints/ckpt_ep_0007.dcp/         FSDP: its model and optimizer shards
     checkpoints/last               name of the newest complete checkpoint
     best.pth                       weights of the best evaluation
 
 A file is written under a temporary name in the same directory, flushed,
 fsynced and renamed into place; ``last`` moves only after that.  Loading uses
 ``weights_only=True``, so a checkpoint can never run pickled code.
+
+Under DIST.STRATEGY fsdp the model and optimizer are not gathered: every rank
+writes its shards with ``torch.distributed.checkpoint`` (DCP) into a ``.dcp``
+directory beside the ``.pth``, which then holds the rest of the state and
+``"sharded"``: the directory's name.  DCP re-shards on load, so such a
+checkpoint resumes on any world size; :func:`load_full` reads it whole for
+any other use (DDP resume, export, inspection).  DCP reads its ``.metadata``
+file with ``pickle``; :func:`_check_dcp_metadata` first refuses one that
+would build anything but DCP's own metadata classes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
 import re
+import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from distribuuuu import distributed as du
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_POINTER = "last"
 BEST_WEIGHTS = "best.pth"
+SHARDED_SUFFIX = ".dcp"
 _NAME = re.compile(r"^ckpt_ep_(\d+)(?:_it_(\d+))?\.pth$")
 
 
@@ -86,7 +104,103 @@ def save_checkpoint(
     if keep > 0:
         for _, old in list_checkpoints(out_dir)[keep:]:
             os.remove(old)
+            shutil.rmtree(sharded_dir(old), ignore_errors=True)
     return os.path.join(directory, name)
+
+
+def sharded_dir(path: str) -> str:
+    """The DCP directory that goes with checkpoint file ``path``."""
+    return os.path.splitext(path)[0] + SHARDED_SUFFIX
+
+
+def save_sharded(out_dir: str, name: str, state: dict) -> str:
+    """Every rank writes its shards of ``state``; returns the directory's name.
+
+    A collective.  The shards go to a temporary directory that rank 0 renames
+    into place once DCP has finished (DCP's writer fsyncs each file), so a
+    ``.dcp`` directory under its final name is always complete.
+    """
+    directory = os.path.join(out_dir, CHECKPOINT_DIR)
+    final = sharded_dir(os.path.join(directory, name))
+    tmp = final + ".tmp"
+    if du.is_main_process():
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    du.barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    if du.is_main_process():
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+    du.barrier()
+    return os.path.basename(final)
+
+
+# What a DCP .metadata pickle may build besides torch dtypes: DCP's classes
+# and the few others they hold (measured on torch 2.14's files).
+_DCP_PICKLE_MODULE = "torch.distributed.checkpoint."
+_DCP_PICKLE_NAMES = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and refuses any other global."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (
+            module.startswith(_DCP_PICKLE_MODULE)
+            or (module, name) in _DCP_PICKLE_NAMES
+            or (
+                module == "torch"
+                and isinstance(getattr(torch, name, None), torch.dtype)
+            )
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"refusing to build {module}.{name}")
+        return super().find_class(module, name)
+
+
+def _check_dcp_metadata(directory: str) -> None:
+    """Raise ValueError unless ``directory`` holds safe DCP metadata."""
+    path = os.path.join(directory, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise ValueError(f"{directory}: no DCP .metadata (incomplete?)") from None
+    except pickle.UnpicklingError as error:
+        raise ValueError(f"{path}: not DCP checkpoint metadata ({error})") from None
+
+
+def read_sharded(directory: str) -> dict:
+    """A DCP checkpoint read whole into this process (no process group used).
+
+    Through DCP's own converter to a ``torch.save`` file (in a temporary
+    directory beside it, where there is room for it), loaded weights-only.
+    """
+    _check_dcp_metadata(directory)
+    parent = os.path.dirname(os.path.abspath(directory))
+    with tempfile.TemporaryDirectory(dir=parent, prefix=".read_sharded") as tmp:
+        whole = os.path.join(tmp, "whole.pth")
+        dcp_to_torch_save(directory, whole)
+        return load_file(whole)
+
+
+def shards_of(path: str, state: dict) -> str:
+    """The DCP directory named by the sharded checkpoint ``path`` (``state``)."""
+    return os.path.join(os.path.dirname(path), state["sharded"])
+
+
+def load_full(path: str) -> Any:
+    """:func:`load_file`, with the shards of an FSDP checkpoint read in whole."""
+    state = load_file(path)
+    if isinstance(state, dict) and "sharded" in state:
+        state = {**state, **read_sharded(shards_of(path, state))}
+    return state
 
 
 def save_weights(path: str, state: dict) -> None:
@@ -133,9 +247,23 @@ def find_resume_checkpoint(out_dir: str) -> tuple[str, dict] | None:
         except Exception as error:  # a torn or corrupt file: try an older one
             logger.warning("skipping unreadable checkpoint %s (%s)", path, error)
             continue
-        if isinstance(state, dict) and "model" in state and "epoch" in state:
+        problem = _training_state_problem(path, state)
+        if problem is None:
             return path, state
-        logger.warning("skipping %s: not a training checkpoint", path)
+        logger.warning("skipping %s: %s", path, problem)
+    return None
+
+
+def _training_state_problem(path: str, state: Any) -> str | None:
+    """Why a loaded file is not a whole training checkpoint; None if it is."""
+    if not isinstance(state, dict) or "epoch" not in state:
+        return "not a training checkpoint"
+    if "sharded" not in state:
+        return None if "model" in state else "not a training checkpoint"
+    try:
+        _check_dcp_metadata(shards_of(path, state))
+    except ValueError as error:
+        return str(error)
     return None
 
 

@@ -95,7 +95,7 @@ def read_checkpoint(path: str) -> Checkpoint:
         reason = "is a directory" if os.path.isdir(path) else "no such file"
         raise CheckpointError(f"{path}: {reason}")
     try:
-        state = cp.load_file(path)
+        state = cp.load_full(path)
     except Exception as error:  # torch.load raises many types for other files
         raise CheckpointError(f"{path}: {_refusal(error)}") from error
     try:

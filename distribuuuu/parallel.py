@@ -9,6 +9,7 @@ import logging
 from collections.abc import Iterator
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -225,6 +226,28 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     if isinstance(model, FSDPModule):
         return get_optimizer_state_dict(model, optimizer, options=_FULL)
     return optimizer.state_dict()
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's shards of an FSDP model and its optimizer, for DCP to save."""
+    return {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+    }
+
+
+def load_sharded_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, directory: str
+) -> None:
+    """Load a DCP checkpoint of :func:`sharded_state` into an FSDP model.
+
+    A collective.  DCP reads the pieces of this rank's shards, whatever the
+    world size that saved them.
+    """
+    state = sharded_state(model, optimizer)
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def _rekey(state: dict, old: list, new: list) -> dict:

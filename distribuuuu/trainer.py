@@ -50,9 +50,11 @@ from distribuuuu.parallel import (
     is_sharded,
     load_model_state,
     load_optimizer_state,
+    load_sharded_state,
     model_state_dict,
     optimizer_state_dict,
     shard_optimizer,
+    sharded_state,
     unwrap_model,
     wrap_model,
 )
@@ -450,9 +452,18 @@ def evaluate(
 def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
     """Gather every rank's RNG state; rank 0 writes the checkpoint of the run."""
     progress, plan = run.progress, run.plan
+    step = progress.consumed // plan.global_batch
+    if is_sharded(run.model):  # every rank writes its shards, nothing gathered
+        name = cp.checkpoint_name(progress.epoch, step)
+        shards = sharded_state(run.model, run.optimizer)
+        weights = {"sharded": cp.save_sharded(cfg.OUT_DIR, name, shards)}
+    else:
+        weights = {
+            "model": model_state_dict(run.model),
+            "optimizer": optimizer_state_dict(run.model, run.optimizer),
+        }
     state = {
-        "model": model_state_dict(run.model),
-        "optimizer": optimizer_state_dict(run.model, run.optimizer),
+        **weights,
         "scaler": run.scaler.state_dict(),
         "epoch": progress.epoch,
         "consumed": progress.consumed,
@@ -469,11 +480,26 @@ def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
         "cfg": cfg.dump(),
     }
     if du.is_main_process():
-        step = progress.consumed // plan.global_batch
         path = cp.save_checkpoint(
             cfg.OUT_DIR, progress.epoch, state, cfg.CHECKPOINT.KEEP, step
         )
         logger.info("saved %s", path)
+
+
+def _load_training_state(model, optimizer, path: str, state: dict) -> None:
+    """Load the model and optimizer of training checkpoint ``path``.
+
+    An FSDP model reads its own shards of a sharded checkpoint; anything else
+    reads whole weights (a sharded checkpoint's read whole first).
+    """
+    if "sharded" in state and is_sharded(model):
+        load_sharded_state(model, optimizer, cp.shards_of(path, state))
+        return
+    if "sharded" in state:
+        state = cp.load_full(path)
+    load = functools.partial(load_model_state, model)
+    cp.load_model_weights(unwrap_model(model), state, path, load)
+    load_optimizer_state(model, optimizer, state["optimizer"])
 
 
 def _resume_or_load(cfg, model, optimizer, scaler) -> tuple[Progress, dict | None, str]:
@@ -483,9 +509,7 @@ def _resume_or_load(cfg, model, optimizer, scaler) -> tuple[Progress, dict | Non
         found = cp.find_resume_checkpoint(cfg.OUT_DIR)
         if found is not None:
             path, state = found
-            load = functools.partial(load_model_state, model)
-            cp.load_model_weights(unwrap_model(model), state, path, load)
-            load_optimizer_state(model, optimizer, state["optimizer"])
+            _load_training_state(model, optimizer, path, state)
             if state.get("scaler"):
                 scaler.load_state_dict(state["scaler"])
             progress = Progress(
@@ -498,7 +522,7 @@ def _resume_or_load(cfg, model, optimizer, scaler) -> tuple[Progress, dict | Non
             logger.info("%s", start)
             return progress, state, start
     if cfg.MODEL.WEIGHTS:
-        state = cp.load_file(cfg.MODEL.WEIGHTS)
+        state = cp.load_full(cfg.MODEL.WEIGHTS)
         load = functools.partial(load_model_state, model)
         cp.load_model_weights(unwrap_model(model), state, cfg.MODEL.WEIGHTS, load)
         with_optimizer = (

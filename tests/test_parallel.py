@@ -1,19 +1,22 @@
-"""Strategies and memory: ZeRO-1 equals DDP, resumes anywhere, and uses less
-memory; activation checkpointing changes nothing but memory."""
+"""Strategies and memory: ZeRO-1 and FSDP equal DDP, resume anywhere, and use
+less memory; activation checkpointing changes nothing but memory."""
 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_ok, read_metrics, torchrun, train_net
+from conftest import assert_ok, opts, read_metrics, torchrun, train_net
 from distributed_utils import run_on_ranks
 
+from distribuuuu.inference import read_checkpoint
 from distribuuuu.models import build_model
 from distribuuuu.parallel import (
     enable_activation_checkpointing,
+    model_state_dict,
     optimizer_state_dict,
     shard_optimizer,
     wrap_model,
@@ -29,9 +32,14 @@ def _batches(world: int):
         yield images, torch.randint(0, 10, (world * BATCH,), generator=generator)
 
 
-def _train_lenet(rank: int, world: int, strategy: str) -> dict:
+def _train(rank: int, world: int, arch: str, strategy: str, act_ckpt: bool) -> dict:
+    """K steps of SGD with momentum; the whole model and optimizer state."""
     torch.manual_seed(0)
-    model = wrap_model(build_model("lenet5", 10), torch.device("cpu"), False)
+    model = build_model(arch, 10)
+    if act_ckpt:
+        enable_activation_checkpointing(model)
+    cpu = torch.device("cpu")
+    model = wrap_model(model, cpu, False, strategy=strategy)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if strategy == "zero1":
         optimizer = shard_optimizer(optimizer)
@@ -40,23 +48,44 @@ def _train_lenet(rank: int, world: int, strategy: str) -> dict:
         F.cross_entropy(model(images[part]), targets[part]).backward()
         optimizer.step()
         optimizer.zero_grad()
-    state = optimizer_state_dict(optimizer)  # a collective for ZeRO
     if strategy == "zero1":
         assert 0 < len(optimizer.optim.state) < len(list(model.parameters()))
-    return {"model": model.module.state_dict(), "optimizer": state}
+    # Collectives for ZeRO and FSDP: rank 0 gets everything.
+    return {
+        "model": model_state_dict(model),
+        "optimizer": optimizer_state_dict(model, optimizer),
+    }
 
 
-def test_zero1_reaches_the_parameters_of_ddp(tmp_path):
-    ddp = run_on_ranks(2, _train_lenet, ("ddp",), tmp_path / "ddp")
-    zero = run_on_ranks(2, _train_lenet, ("zero1",), tmp_path / "zero")
+def _momentum_by_name(arch: str, state: dict) -> dict:
+    """Momentum buffers of an optimizer state keyed by index or by name."""
+    names = [name for name, _ in build_model(arch, 10).named_parameters()]
+    return {
+        key if isinstance(key, str) else names[key]: value["momentum_buffer"]
+        for key, value in state["state"].items()
+    }
+
+
+@pytest.mark.parametrize(
+    "arch, strategy, act_ckpt",
+    [("lenet5", "zero1", False), ("lenet5", "fsdp", False), ("resnet8", "fsdp", True)],
+)
+def test_sharded_strategies_reach_the_parameters_of_ddp(
+    tmp_path, arch, strategy, act_ckpt
+):
+    """Training-mode BatchNorm (resnet8) normalises with the batch statistics of
+    each rank under both strategies, so its parameters must agree as well."""
+    ddp = run_on_ranks(2, _train, (arch, "ddp", False), tmp_path / "ddp")
+    other = run_on_ranks(2, _train, (arch, strategy, act_ckpt), tmp_path / strategy)
     for key, value in ddp[0]["model"].items():
-        torch.testing.assert_close(zero[0]["model"][key], value)
-        torch.testing.assert_close(zero[1]["model"][key], value)
-    momentum = zero[0]["optimizer"]["state"]  # consolidated on rank 0
-    for index, state in ddp[0]["optimizer"]["state"].items():
-        torch.testing.assert_close(
-            momentum[index]["momentum_buffer"], state["momentum_buffer"]
-        )
+        if "running_" in key or "num_batches" in key:
+            continue  # DDP broadcasts rank 0's BN statistics, FSDP keeps its own
+        torch.testing.assert_close(other[0]["model"][key], value, msg=key)
+    expected = _momentum_by_name(arch, ddp[0]["optimizer"])
+    actual = _momentum_by_name(arch, other[0]["optimizer"])
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, msg=name)
 
 
 # A small ResNet on a few synthetic images.
@@ -64,6 +93,14 @@ SMALL = [
     "MODEL.ARCH", "resnet8", "DATA.NAME", "synthetic", "DATA.SYNTHETIC_SIZE",
     "[96, 32]", "TRAIN.BATCH_SIZE", "12", "TRAIN.PRINT_FREQ", "2",
 ]  # fmt: skip
+
+
+def _resume(out: str, ranks: int, epochs: int, *args: str) -> None:
+    """Continue the run in ``out`` up to ``epochs`` on ``ranks`` processes."""
+    args = (*SMALL, *args, "OPTIM.MAX_EPOCH", str(epochs), "OUT_DIR", out)
+    result = torchrun(ranks, *args) if ranks > 1 else train_net(*args)
+    assert_ok(result)
+    assert "resumed from" in result.stdout
 
 
 def test_zero1_checkpoints_resume_on_2_and_on_1_process(tmp_path):
@@ -77,24 +114,47 @@ def test_zero1_checkpoints_resume_on_2_and_on_1_process(tmp_path):
     parameters = list(build_model("resnet8", 10).parameters())
     assert len(state["optimizer"]["state"]) == len(parameters)  # consolidated
     # Two more epochs: one on 2 ranks, one on a single process without ZeRO.
-    second = torchrun(2, *SMALL, "DIST.STRATEGY", "zero1",
-                      "OPTIM.MAX_EPOCH", "2", "OUT_DIR", out)  # fmt: skip
-    assert_ok(second)
-    assert "resumed from" in second.stdout
-    third = train_net(*SMALL, "OPTIM.MAX_EPOCH", "3", "OUT_DIR", out)
-    assert_ok(third)
-    assert "resumed from" in third.stdout
+    _resume(out, 2, 2, "DIST.STRATEGY", "zero1")
+    _resume(out, 1, 3)
     val = read_metrics(out, "val")
     assert [r["epoch"] for r in val] == [1, 2, 3]
     assert [r["world_size"] for r in val] == [2, 2, 1]
     assert all(r["train_samples"] == 96 for r in val)
 
 
-def test_zero1_reports_less_peak_memory_than_ddp(tmp_path):
+def test_fsdp_checkpoints_reshard_on_3_ranks_and_resume_on_1(tmp_path):
+    """Sharded (DCP) checkpoints of FSDP with host offload and activation
+    checkpointing: saved on 2 ranks, resumed on 3, then on one plain process."""
+    out = str(tmp_path)
+    fsdp = opts("DIST.STRATEGY fsdp DIST.FSDP_CPU_OFFLOAD True MODEL.ACT_CKPT True")
+    first = torchrun(2, *SMALL, *fsdp, "OPTIM.MAX_EPOCH", "1", "OUT_DIR", out)
+    assert_ok(first)
+    assert "parameters and gradients kept in host memory" in first.stdout
+    shards = f"{out}/checkpoints/ckpt_ep_0001.dcp"
+    assert sorted(os.listdir(shards)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    state = torch.load(f"{out}/checkpoints/ckpt_ep_0001.pth", weights_only=True)
+    assert "model" not in state and state["sharded"] == "ckpt_ep_0001.dcp"
+    # 32 validation images on 3 ranks in batches of 5: 3, 3 and 2 batches, and
+    # every sharded forward is a collective (the last rank adds an empty one).
+    _resume(out, 3, 2, *fsdp, "TEST.BATCH_SIZE", "5")
+    _resume(out, 1, 3)
+    val = read_metrics(out, "val")
+    assert [r["epoch"] for r in val] == [1, 2, 3]
+    assert [r["world_size"] for r in val] == [2, 3, 1]
+    assert [r["samples"] for r in val] == [32, 32, 32]
+    # The sharded checkpoint of 3 ranks reads whole, as every tool sees it.
+    whole = read_checkpoint(f"{out}/checkpoints/ckpt_ep_0002.pth")
+    expected = build_model("resnet8", 10).state_dict()
+    assert whole.weights.keys() == expected.keys()
+    assert all(whole.weights[k].shape == v.shape for k, v in expected.items())
+
+
+def test_sharded_strategies_report_less_peak_memory_than_ddp(tmp_path):
     """AlexNet (61 M parameters): its SGD momentum is 244 MB on every DDP rank
-    and half of that with ZeRO-1 on 2 ranks."""
+    and half of that with ZeRO-1 on 2 ranks; FSDP also halves the parameters
+    and gradients."""
     peaks = {}
-    for strategy in ("ddp", "zero1"):
+    for strategy in ("ddp", "zero1", "fsdp"):
         out = str(tmp_path / strategy)
         result = torchrun(
             2, "MODEL.ARCH", "alexnet", "DATA.NAME", "synthetic",
@@ -107,6 +167,7 @@ def test_zero1_reports_less_peak_memory_than_ddp(tmp_path):
         peaks[strategy] = val["peak_mem_mb"]
     print("peak memory per rank (MiB):", peaks)
     assert max(peaks["zero1"]) < min(peaks["ddp"])
+    assert max(peaks["fsdp"]) < min(peaks["ddp"])
 
 
 @pytest.mark.parametrize("arch", ["resnet8", "resnet18"])
