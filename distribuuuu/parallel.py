@@ -103,6 +103,14 @@ def _shard_fully(
             reduce_dtype=torch.float32 if param_dtype is not None else None,
         ),
     }
+    if param_dtype is not None:
+        # BatchNorm keeps float32 parameters to match its float32 running
+        # statistics (CPU kernels refuse a mix of the two); it takes the
+        # low-precision activations as they come.
+        float32 = {**options, "mp_policy": MixedPrecisionPolicy()}
+        for module in model.modules():
+            if isinstance(module, _BatchNorm):
+                fully_shard(module, **float32)
     blocks = find_blocks(model)
     for block in blocks:
         fully_shard(block, **options)

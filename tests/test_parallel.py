@@ -123,10 +123,14 @@ def test_zero1_checkpoints_resume_on_2_and_on_1_process(tmp_path):
 
 
 def test_fsdp_checkpoints_reshard_on_3_ranks_and_resume_on_1(tmp_path):
-    """Sharded (DCP) checkpoints of FSDP with host offload and activation
-    checkpointing: saved on 2 ranks, resumed on 3, then on one plain process."""
+    """Sharded (DCP) checkpoints of FSDP with host offload, activation
+    checkpointing and bf16: saved on 2 ranks, resumed on 3, then on one plain
+    process."""
     out = str(tmp_path)
-    fsdp = opts("DIST.STRATEGY fsdp DIST.FSDP_CPU_OFFLOAD True MODEL.ACT_CKPT True")
+    fsdp = opts(
+        "DIST.STRATEGY fsdp DIST.FSDP_CPU_OFFLOAD True MODEL.ACT_CKPT True "
+        "TRAIN.MIXED_PRECISION bf16"
+    )
     first = torchrun(2, *SMALL, *fsdp, "OPTIM.MAX_EPOCH", "1", "OUT_DIR", out)
     assert_ok(first)
     assert "parameters and gradients kept in host memory" in first.stdout
