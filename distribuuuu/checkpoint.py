@@ -278,31 +278,75 @@ def model_state_dict(state: dict) -> dict:
     }
 
 
+def _is_head_resize(saved: torch.Size, own: torch.Size, num_classes: int) -> bool:
+    """True when only the class dimension differs: a classifier of another size.
+
+    Every head of the registry keeps the classes in dimension 0 of its weight
+    and bias (resnet/regnet ``fc``, efficientnet ``classifier.1``, vit
+    ``heads.head``, the small nets' ``fc``; inception/googlenet aux heads too).
+    """
+    return (
+        len(saved) == len(own) > 0
+        and own[0] == num_classes
+        and saved[0] != own[0]
+        and saved[1:] == own[1:]
+    )
+
+
 def load_model_weights(
     model: nn.Module,
     state: dict,
     source: str,
-    load: Callable[[dict], None] | None = None,
-) -> None:
+    load: Callable[[dict, bool], None] | None = None,
+    finetune_classes: int | None = None,
+) -> list[str]:
     """Load weights into ``model`` (unwrapped), naming the first mismatch.
 
-    ``load`` loads the checked weights instead of ``model.load_state_dict``
-    (for a model whose wrapper loads differently, such as FSDP's).
+    Args:
+        model: the plain model (an FSDP model is its own plain model).
+        state: a checkpoint or a plain state_dict.
+        source: the file's name, for the messages.
+        load: called as ``load(weights, strict)`` instead of
+            ``model.load_state_dict`` (for a wrapper that loads differently,
+            such as FSDP's).
+        finetune_classes: fine-tuning into a head of this many classes: keys
+            of a classifier head of another size are skipped, so the head keeps
+            its fresh initialisation; any other mismatch is still an error.
+
+    Returns the keys skipped (empty unless fine-tuning changed the head).
     """
     weights = model_state_dict(state)
     own = model.state_dict()
+    skipped = []
     for key, value in own.items():
         if key not in weights:
             raise ValueError(f"{source}: missing key {key}; another architecture?")
-        if weights[key].shape != value.shape:
-            raise ValueError(
-                f"{source}: {key} has shape {tuple(weights[key].shape)}, the model "
-                f"expects {tuple(value.shape)}; another architecture or NUM_CLASSES?"
-            )
+        saved = weights[key].shape
+        if saved == value.shape:
+            continue
+        if finetune_classes and _is_head_resize(saved, value.shape, finetune_classes):
+            skipped.append(key)
+            continue
+        hint = (
+            "another architecture? (MODEL.FINETUNE re-initialises only the "
+            "classifier head)"
+            if finetune_classes
+            else "another architecture or NUM_CLASSES? (MODEL.FINETUNE True "
+            "re-initialises a classifier head of another size)"
+        )
+        raise ValueError(
+            f"{source}: {key} has shape {tuple(saved)}, the model expects "
+            f"{tuple(value.shape)}; {hint}"
+        )
     extra = sorted(set(weights) - set(own))
     if extra:
         raise ValueError(f"{source}: unexpected key {extra[0]}; another architecture?")
-    (load or model.load_state_dict)(weights)
+    kept = {key: value for key, value in weights.items() if key not in skipped}
+    if load is None:
+        model.load_state_dict(kept, strict=not skipped)
+    else:
+        load(kept, not skipped)
+    return skipped
 
 
 def capture_rng_state() -> dict:

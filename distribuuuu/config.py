@@ -48,6 +48,11 @@ _C.MODEL.PRETRAINED = False
 _C.MODEL.SYNCBN = False
 # Weights to start from (a checkpoint or a plain state_dict); null = none
 _C.MODEL.WEIGHTS = None
+# Fine-tune MODEL.WEIGHTS into a head of another size: the classifier keys whose
+# class dimension differs from NUM_CLASSES are skipped (and logged) and keep their
+# fresh initialisation, and the optimizer state is not loaded; any other mismatch
+# is still an error
+_C.MODEL.FINETUNE = False
 # Train and evaluate on random synthetic images (wins over DATA.NAME)
 _C.MODEL.DUMMY_INPUT = False
 # Activation checkpointing: recompute the activations of each residual block
@@ -668,6 +673,12 @@ def validate_cfg(cfg: CfgNode) -> None:
         cfg.TEST.IM_SIZE,
         f"must be >= TRAIN.IM_SIZE={cfg.TRAIN.IM_SIZE} (evaluation resizes to "
         "TEST.IM_SIZE, then centre-crops TRAIN.IM_SIZE)",
+    )
+    _check(
+        not cfg.MODEL.FINETUNE or bool(cfg.MODEL.WEIGHTS),
+        "MODEL.FINETUNE",
+        True,
+        "needs MODEL.WEIGHTS, the checkpoint to fine-tune",
     )
     if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
         raise ConfigError(f"MODEL.WEIGHTS: no such file {cfg.MODEL.WEIGHTS}")

@@ -4,6 +4,7 @@ activation checkpointing; and the state of whatever wraps it."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
@@ -214,12 +215,17 @@ def model_state_dict(model: nn.Module) -> dict:
     return unwrap_model(model).state_dict()
 
 
-def load_model_state(model: nn.Module, weights: dict) -> None:
-    """Load a whole state_dict (every rank passes it) into the wrapped model."""
+def load_model_state(model: nn.Module, weights: dict, strict: bool = True) -> None:
+    """Load a whole state_dict (every rank passes it) into the wrapped model.
+
+    ``strict=False`` lets keys be missing (fine-tuning leaves out a new head);
+    those keep their values.
+    """
     if isinstance(model, FSDPModule):
-        set_model_state_dict(model, weights, options=_FULL)
+        options = dataclasses.replace(_FULL, strict=strict)
+        set_model_state_dict(model, weights, options=options)
     else:
-        unwrap_model(model).load_state_dict(weights)
+        unwrap_model(model).load_state_dict(weights, strict=strict)
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

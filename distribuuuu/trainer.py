@@ -502,6 +502,37 @@ def _load_training_state(model, optimizer, path: str, state: dict) -> None:
     load_optimizer_state(model, optimizer, state["optimizer"])
 
 
+def _load_weights(cfg, model, optimizer) -> str:
+    """Load MODEL.WEIGHTS (and its optimizer with TRAIN.LOAD_OPT); say what, in words.
+
+    With MODEL.FINETUNE a classifier head of another size is skipped and keeps
+    its fresh initialisation; the optimizer state then is not loaded, since
+    its head entries would not fit (and it belongs to another task).
+    """
+    path = cfg.MODEL.WEIGHTS
+    state = cp.load_full(path)
+    load = functools.partial(load_model_state, model)
+    classes = cfg.MODEL.NUM_CLASSES if cfg.MODEL.FINETUNE else None
+    skipped = cp.load_model_weights(unwrap_model(model), state, path, load, classes)
+    has_optimizer = isinstance(state, dict) and "optimizer" in state
+    if skipped:
+        logger.info(
+            "fine-tuning: %d keys of %s skipped (shapes differ), the new %d-class "
+            "head keeps its fresh initialisation: %s",
+            len(skipped),
+            path,
+            cfg.MODEL.NUM_CLASSES,
+            ", ".join(skipped),
+        )
+        if cfg.TRAIN.LOAD_OPT and has_optimizer:
+            logger.info("fine-tuning: the optimizer state of %s is not loaded", path)
+        return f"weights from {path}, new {cfg.MODEL.NUM_CLASSES}-class head"
+    if cfg.TRAIN.LOAD_OPT and has_optimizer:
+        load_optimizer_state(model, optimizer, state["optimizer"])
+        return f"weights from {path} and its optimizer"
+    return f"weights from {path}"
+
+
 def _resume_or_load(cfg, model, optimizer, scaler) -> tuple[Progress, dict | None, str]:
     """Progress to continue from, the checkpoint resumed (None when new) and
     what the run starts from, in words."""
@@ -522,17 +553,7 @@ def _resume_or_load(cfg, model, optimizer, scaler) -> tuple[Progress, dict | Non
             logger.info("%s", start)
             return progress, state, start
     if cfg.MODEL.WEIGHTS:
-        state = cp.load_full(cfg.MODEL.WEIGHTS)
-        load = functools.partial(load_model_state, model)
-        cp.load_model_weights(unwrap_model(model), state, cfg.MODEL.WEIGHTS, load)
-        with_optimizer = (
-            cfg.TRAIN.LOAD_OPT and isinstance(state, dict) and "optimizer" in state
-        )
-        if with_optimizer:
-            load_optimizer_state(model, optimizer, state["optimizer"])
-        start = f"weights from {cfg.MODEL.WEIGHTS}" + " and its optimizer" * (
-            with_optimizer
-        )
+        start = _load_weights(cfg, model, optimizer)
         logger.info("loaded %s", start)
         return Progress(), None, start
     pretrained = " (ImageNet-pretrained weights)" * cfg.MODEL.PRETRAINED

@@ -160,8 +160,14 @@ def _model_skeleton(arch: str, num_classes: int):
         return build_model(arch, num_classes)
 
 
-def check_weights(path: str, arch: str, num_classes: int) -> None:
-    """Load MODEL.WEIGHTS safely and match it to the model; raise ConfigError."""
+def check_weights(
+    path: str, arch: str, num_classes: int, finetune: bool = False
+) -> None:
+    """Load MODEL.WEIGHTS safely and match it to the model; raise ConfigError.
+
+    With ``finetune`` a classifier head of another size matches (it is
+    re-initialised).
+    """
     import warnings
 
     from distribuuuu import checkpoint as cp
@@ -175,16 +181,18 @@ def check_weights(path: str, arch: str, num_classes: int) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # copies into meta tensors are no-ops
-            cp.load_model_weights(model, weights, path)
+            classes = num_classes if finetune else None
+            cp.load_model_weights(model, weights, path, finetune_classes=classes)
     except ValueError as error:
         raise ConfigError(f"MODEL.WEIGHTS {error}") from error
 
 
-def check_inputs(cfg, keep_out_dir: bool = True) -> None:
+def check_inputs(cfg, keep_out_dir: bool = True, eval_only: bool = False) -> None:
     """Check what ``cfg`` names, before anything is written; raise ConfigError.
 
-    The data folders, MODEL.WEIGHTS, then OUT_DIR (created, probed writable;
-    removed again unless ``keep_out_dir`` when this created it).
+    The data folders, MODEL.WEIGHTS (whose head must fit when ``eval_only``,
+    MODEL.FINETUNE or not), then OUT_DIR (created, probed writable; removed
+    again unless ``keep_out_dir`` when this created it).
     """
     from distribuuuu.data import DataError, check_data
 
@@ -193,7 +201,10 @@ def check_inputs(cfg, keep_out_dir: bool = True) -> None:
     except DataError as error:
         raise ConfigError(str(error)) from error
     if cfg.MODEL.WEIGHTS:
-        check_weights(cfg.MODEL.WEIGHTS, cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES)
+        finetune = cfg.MODEL.FINETUNE and not eval_only
+        check_weights(
+            cfg.MODEL.WEIGHTS, cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, finetune
+        )
     check_out_dir(cfg.OUT_DIR, keep_out_dir)
 
 
@@ -275,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(format_cfg(cfg), end="")
             return 0
-        check_inputs(cfg, keep_out_dir=not args.dry_run)
+        check_inputs(cfg, keep_out_dir=not args.dry_run, eval_only=args.eval_only)
     except ConfigError as error:
         return _fail(error, 2, args.debug)
     except Exception as error:  # not the input's fault: a failure like any other
