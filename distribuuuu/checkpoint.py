@@ -7,6 +7,7 @@ Layout under ``OUT_DIR``::
     checkpoints/ckpt_ep_0007.dcp/         FSDP: its model and optimizer shards
     checkpoints/last               name of the newest complete checkpoint
     best.pth                       weights of the best evaluation
+    best_ema.pth                   ... of the best evaluation of the EMA (MODEL.EMA)
 
 A file is written under a temporary name in the same directory, flushed,
 fsynced and renamed into place; ``last`` moves only after that.  Loading uses
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
 LAST_POINTER = "last"
 BEST_WEIGHTS = "best.pth"
+BEST_EMA_WEIGHTS = "best_ema.pth"  # same layout, of the weights' moving average
 SHARDED_SUFFIX = ".dcp"
 _NAME = re.compile(r"^ckpt_ep_(\d+)(?:_it_(\d+))?\.pth$")
 

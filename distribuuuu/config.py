@@ -59,6 +59,21 @@ _C.MODEL.DUMMY_INPUT = False
 # (or transformer block) in the backward pass instead of keeping them, trading
 # about one extra forward pass for memory; the result does not change
 _C.MODEL.ACT_CKPT = False
+# Keep an exponential moving average (EMA) of the weights, evaluated beside the
+# model at every evaluation ("val_ema" records), saved in the checkpoints, its
+# best weights in OUT_DIR/best_ema.pth
+_C.MODEL.EMA = False
+# Weight of the old average at each optimizer step (timm and torchvision's
+# reference recipes use 0.9998 to 0.9999); the average spans about
+# 1 / (1 - EMA_DECAY) steps
+_C.MODEL.EMA_DECAY = 0.9998
+# Lower the decay during the first updates to min(EMA_DECAY, (1 + n) / (10 + n))
+# after n updates (TensorFlow's ExponentialMovingAverage ramp), so that the
+# average soon forgets the random initial weights
+_C.MODEL.EMA_WARMUP = True
+# Update the average every this many optimizer steps, with EMA_DECAY ** EMA_EVERY
+# (the same span in steps, less time on very small models)
+_C.MODEL.EMA_EVERY = 1
 
 # ---------------------------------------------------------------------------- #
 # Data
@@ -143,6 +158,11 @@ _C.TRAIN.MIX_PROB = 1.0
 # With Mixup and CutMix both on: probability that a mixed batch uses CutMix rather
 # than Mixup
 _C.TRAIN.MIX_SWITCH_PROB = 0.5
+# Precise BatchNorm: before each evaluation, recompute the BatchNorm running
+# statistics as the plain average over this many training batches per process
+# (un-mixed, the first of the epoch's order), the same on every process; for the
+# EMA weights as well, with MODEL.EMA (0 = off; pycls uses 8,192 images in all)
+_C.TRAIN.PRECISE_BN = 0
 
 # ---------------------------------------------------------------------------- #
 # Evaluation
@@ -517,6 +537,9 @@ _RANGES = {
     "TRAIN.CUTMIX_ALPHA": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "TRAIN.MIX_PROB": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "TRAIN.MIX_SWITCH_PROB": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "TRAIN.PRECISE_BN": (lambda v: v >= 0, "must be >= 0 batches (0 = off)"),
+    "MODEL.EMA_DECAY": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "MODEL.EMA_EVERY": (lambda v: v >= 1, "must be >= 1"),
     "DATA.RANDAUG_N": (lambda v: v >= 1, "must be >= 1"),
     "DATA.RANDAUG_M": (lambda v: 0 <= v <= 30, "must be in [0, 30]"),
     "DATA.RANDOM_ERASING": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),

@@ -1,4 +1,5 @@
-"""Synchronized BatchNorm for any backend, CPU/gloo included.
+"""Synchronized BatchNorm for any backend, CPU/gloo included; precise BatchNorm
+statistics (:func:`recompute_bn_statistics`).
 
 ``torch.nn.SyncBatchNorm`` refuses CPU modules ("SyncBatchNorm layers only work
 with GPU modules"), so CPU runs use :class:`GroupSyncBatchNorm`, built on
@@ -19,6 +20,8 @@ of ``nn.BatchNorm*d``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -189,3 +192,55 @@ def _copy_state(source: _BatchNorm, target: _BatchNorm) -> None:
             target.running_var = source.running_var
             target.num_batches_tracked = source.num_batches_tracked
     target.train(source.training)
+
+
+@torch.no_grad()
+def recompute_bn_statistics(module: nn.Module, batches: Iterable[torch.Tensor]) -> int:
+    """Replace BatchNorm running statistics by their true average over ``batches``.
+
+    The running averages of training weight recent batches most and lag
+    behind the weights; recomputing them with the final weights, each batch
+    weighted equally, gives better statistics for evaluation (the "precise
+    BN" of fvcore's ``fvcore/nn/precise_bn.py:update_bn_stats`` and pycls's
+    ``pycls/core/net.py:compute_precise_bn_stats``).  Each rank runs its
+    batches in training mode with ``momentum=None`` (PyTorch's cumulative
+    average: the mean of the batch means and of the batch variances), then
+    the statistics are averaged across ranks, so every rank holds the same
+    ones.  Momentum, ``num_batches_tracked`` and the training flag are
+    restored.  Returns the number of batches this rank ran.
+
+    Args:
+        module: the model to run, not a DDP wrapper (whose forward would
+            broadcast rank 0's statistics at every batch).  Under FSDP a
+            forward pass is a collective: every rank must pass as many batches.
+        batches: input batches on the model's device (images only).
+    """
+    norms = [
+        m
+        for m in module.modules()
+        if isinstance(m, _BatchNorm) and m.track_running_stats
+    ]
+    if not norms:
+        return 0
+    saved = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
+    was_training = module.training
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None
+    module.train()
+    count = 0
+    try:
+        for images in batches:
+            module(images)
+            count += 1
+    finally:
+        module.train(was_training)
+        for norm, (momentum, tracked) in zip(norms, saved):
+            norm.momentum = momentum
+            norm.num_batches_tracked.copy_(tracked)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for norm in norms:
+            for stat in (norm.running_mean, norm.running_var):
+                dist.all_reduce(stat)
+                stat /= dist.get_world_size()
+    return count

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import random
@@ -25,6 +26,7 @@ from distribuuuu import distributed as du
 from distribuuuu import optim, reports
 from distribuuuu.config import dump_cfg, flat_cfg
 from distribuuuu.data import build_dataset, build_test_loader, build_train_loader
+from distribuuuu.ema import ModelEma
 from distribuuuu.logger import (
     STATUS_LINE,
     MetricsWriter,
@@ -58,6 +60,7 @@ from distribuuuu.parallel import (
     unwrap_model,
     wrap_model,
 )
+from distribuuuu.syncbn import recompute_bn_statistics
 
 logger = logging.getLogger(__name__)
 
@@ -148,13 +151,18 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
-def _optimizer_step(model, optimizer, scaler, clip_grad_norm: float) -> None:
+def _optimizer_step(model, optimizer, scaler, clip_grad_norm: float) -> bool:
+    """Step (with loss scaling and clipping); False if the GradScaler skipped it."""
     if clip_grad_norm > 0:
         scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    # The scaler backs off (lowers its scale) exactly when it skips the step
+    # for non-finite gradients; reading it waits for the device, as step does.
+    scale = scaler.get_scale() if scaler.is_enabled() else 0.0
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    return not scaler.is_enabled() or scaler.get_scale() >= scale
 
 
 @dataclass
@@ -165,6 +173,7 @@ class Progress:
     consumed: int = 0  # positions of this epoch's global sample order trained on
     best_top1: float = -1.0
     seed: int = 0
+    best_ema_top1: float = -1.0  # of the weights' moving average (MODEL.EMA)
 
 
 @dataclass(frozen=True)
@@ -195,6 +204,7 @@ class TrainState:
     clock: RunClock
     writer: MetricsWriter
     classes: list[str]  # class names in label order, saved with the weights
+    ema: ModelEma | None = None  # moving average of the weights (MODEL.EMA)
 
 
 def plan_batches(cfg: CfgNode, world_size: int, saved: dict | None) -> BatchPlan:
@@ -320,7 +330,9 @@ def _train_step(
                 loss = loss_fn(logits, loss_targets)
             run.scaler.scale(loss / accum).backward()
         meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
-    _optimizer_step(model, run.optimizer, run.scaler, clip)
+    stepped = _optimizer_step(model, run.optimizer, run.scaler, clip)
+    if stepped and run.ema is not None:
+        run.ema.step()
     return data_time
 
 
@@ -453,21 +465,27 @@ def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
     """Gather every rank's RNG state; rank 0 writes the checkpoint of the run."""
     progress, plan = run.progress, run.plan
     step = progress.consumed // plan.global_batch
+    # The EMA goes with the model: into the shards, or whole into the file.
+    ema = {} if run.ema is None else {"ema": run.ema.tensors()}
     if is_sharded(run.model):  # every rank writes its shards, nothing gathered
         name = cp.checkpoint_name(progress.epoch, step)
-        shards = sharded_state(run.model, run.optimizer)
+        shards = {**sharded_state(run.model, run.optimizer), **ema}
         weights = {"sharded": cp.save_sharded(cfg.OUT_DIR, name, shards)}
     else:
         weights = {
             "model": model_state_dict(run.model),
             "optimizer": optimizer_state_dict(run.model, run.optimizer),
+            **ema,
         }
+    if run.ema is not None:
+        weights["ema_counters"] = run.ema.counters()
     state = {
         **weights,
         "scaler": run.scaler.state_dict(),
         "epoch": progress.epoch,
         "consumed": progress.consumed,
         "best_top1": progress.best_top1,
+        "best_ema_top1": progress.best_ema_top1,
         "seed": progress.seed,
         "rng": du.all_gather_object(cp.capture_rng_state()),
         "world_size": plan.world_size,
@@ -486,20 +504,33 @@ def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
         logger.info("saved %s", path)
 
 
-def _load_training_state(model, optimizer, path: str, state: dict) -> None:
-    """Load the model and optimizer of training checkpoint ``path``.
+def _load_training_state(
+    model, optimizer, path: str, state: dict, ema: ModelEma | None
+) -> None:
+    """Load the model, optimizer and EMA of training checkpoint ``path``.
 
     An FSDP model reads its own shards of a sharded checkpoint; anything else
-    reads whole weights (a sharded checkpoint's read whole first).
+    reads whole weights (a sharded checkpoint's read whole first).  An EMA
+    the checkpoint lacks starts from the loaded weights.
     """
+    saved_ema = ema is not None and "ema_counters" in state
     if "sharded" in state and is_sharded(model):
-        load_sharded_state(model, optimizer, cp.shards_of(path, state))
+        directory = cp.shards_of(path, state)
+        load_sharded_state(model, optimizer, directory)
+        if saved_ema:
+            ema.load_shards(directory, state["ema_counters"])
+        elif ema is not None:
+            ema.reset()
         return
     if "sharded" in state:
         state = cp.load_full(path)
     load = functools.partial(load_model_state, model)
     cp.load_model_weights(unwrap_model(model), state, path, load)
     load_optimizer_state(model, optimizer, state["optimizer"])
+    if saved_ema:
+        ema.load(state["ema"], state["ema_counters"])
+    elif ema is not None:
+        ema.reset()
 
 
 def _load_weights(cfg, model, optimizer) -> str:
@@ -533,19 +564,22 @@ def _load_weights(cfg, model, optimizer) -> str:
     return f"weights from {path}"
 
 
-def _resume_or_load(cfg, model, optimizer, scaler) -> tuple[Progress, dict | None, str]:
+def _resume_or_load(
+    cfg, model, optimizer, scaler, ema: ModelEma | None = None
+) -> tuple[Progress, dict | None, str]:
     """Progress to continue from, the checkpoint resumed (None when new) and
     what the run starts from, in words."""
     if cfg.TRAIN.AUTO_RESUME:
         found = cp.find_resume_checkpoint(cfg.OUT_DIR)
         if found is not None:
             path, state = found
-            _load_training_state(model, optimizer, path, state)
+            _load_training_state(model, optimizer, path, state, ema)
             if state.get("scaler"):
                 scaler.load_state_dict(state["scaler"])
             progress = Progress(
                 state["epoch"], state["consumed"], state["best_top1"], state["seed"]
             )
+            progress.best_ema_top1 = state.get("best_ema_top1", -1.0)
             start = (
                 f"resumed from {path} (epoch {progress.epoch} done, "
                 f"{progress.consumed} samples into the next)"
@@ -554,6 +588,8 @@ def _resume_or_load(cfg, model, optimizer, scaler) -> tuple[Progress, dict | Non
             return progress, state, start
     if cfg.MODEL.WEIGHTS:
         start = _load_weights(cfg, model, optimizer)
+        if ema is not None:
+            ema.reset()
         logger.info("loaded %s", start)
         return Progress(), None, start
     pretrained = " (ImageNet-pretrained weights)" * cfg.MODEL.PRETRAINED
@@ -694,8 +730,12 @@ def _build_run(
     if cfg.DIST.STRATEGY == "zero1":
         optimizer = shard_optimizer(optimizer)
     scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+    ema = None
+    if cfg.MODEL.EMA:
+        ema = ModelEma(model, cfg.MODEL.EMA_DECAY, cfg.MODEL.EMA_WARMUP,
+                       cfg.MODEL.EMA_EVERY)  # fmt: skip
     # Every rank loads the same file, so the replicas stay identical.
-    progress, saved, start = _resume_or_load(cfg, model, optimizer, scaler)
+    progress, saved, start = _resume_or_load(cfg, model, optimizer, scaler, ema)
     progress.seed = seed if saved is None else progress.seed
     plan = plan_batches(cfg, world, saved)
     train_loader = build_train_loader(
@@ -711,7 +751,7 @@ def _build_run(
         progress.epoch * steps_per_epoch + progress.consumed // plan.global_batch,
     )
     run = TrainState(model, optimizer, scaler, amp_dtype, device, plan, progress,
-                     clock, writer, list(train_set.classes))  # fmt: skip
+                     clock, writer, list(train_set.classes), ema)  # fmt: skip
     report = {
         "versions": reports.versions(),
         "world": reports.world_layout(info, device),
@@ -773,23 +813,16 @@ def _train_epochs(
             save_training_checkpoint(cfg, run)
         return bool(stopped_by)
 
-    topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
     stats: dict = {}
     while progress.epoch < cfg.OPTIM.MAX_EPOCH:
         if train_epoch(run, train_loader, cfg, after_step):
             return _stopped(cfg, stopped_by)
-        stats, confusion = evaluate(
-            run.model,
-            val_loader,
-            run.device,
-            topk,
-            cfg.MODEL.NUM_CLASSES,
-            cfg.TEST.PRINT_FREQ,
-            run.amp_dtype,
-        )
-        stats["train_samples"] = progress.consumed  # over restarts, if any
+        trained = progress.consumed  # over restarts, if any
         progress.epoch, progress.consumed = progress.epoch + 1, 0
-        _log_eval_and_save(cfg, run, stats, confusion)
+        stats = _evaluate_epoch(cfg, run, train_loader, val_loader, trained)
+        if run.ema is not None:
+            with run.ema.swapped_in():
+                _evaluate_epoch(cfg, run, train_loader, val_loader, trained, True)
         last = progress.epoch == cfg.OPTIM.MAX_EPOCH
         stopped_by = stop.agreed()
         if stopped_by or last or progress.epoch % cfg.CHECKPOINT.PERIOD == 0:
@@ -805,6 +838,8 @@ def _train_epochs(
         "hparam/top1": stats["top1"],
         "hparam/loss": stats["loss"],
     }
+    if run.ema is not None:
+        final["hparam/best_ema_top1"] = progress.best_ema_top1
     run.writer.hparams(hparams, final)
     return stats
 
@@ -817,18 +852,75 @@ def _stopped(cfg: CfgNode, signum: int) -> dict:
     return {"stopped_by": signum}
 
 
+def _recompute_bn(cfg: CfgNode, run: TrainState, loader: DataLoader) -> None:
+    """Precise BN over the first TRAIN.PRECISE_BN batches of the epoch just
+    trained (the same batches after a resume)."""
+    loader.sampler.set_epoch(run.progress.epoch - 1)
+    batches = itertools.islice(loader, cfg.TRAIN.PRECISE_BN)
+    images = (batch[0].to(run.device, non_blocking=True) for batch in batches)
+    with _autocast(run.device, run.amp_dtype):
+        count = recompute_bn_statistics(unwrap_model(run.model), images)
+    if count:  # 0: no BatchNorm layers
+        world = du.get_world_size()
+        logger.info("precise BN: statistics of %d batches x %d processes", count, world)
+
+
+def _evaluate_epoch(
+    cfg: CfgNode,
+    run: TrainState,
+    train_loader: DataLoader,
+    val_loader: DataLoader,
+    trained: int,
+    ema: bool = False,
+) -> dict:
+    """Evaluate the model after an epoch (precise BN first, if asked), log it
+    and save its best weights; its metrics.
+
+    ``ema``: the model holds the EMA weights; ``trained``: the samples of the
+    epoch.
+    """
+    if cfg.TRAIN.PRECISE_BN:
+        _recompute_bn(cfg, run, train_loader)
+    stats, confusion = evaluate(
+        run.model,
+        val_loader,
+        run.device,
+        min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES),
+        cfg.MODEL.NUM_CLASSES,
+        cfg.TEST.PRINT_FREQ,
+        run.amp_dtype,
+    )
+    stats["train_samples"] = trained
+    _log_eval_and_save(cfg, run, stats, confusion, ema)
+    return stats
+
+
 def _log_eval_and_save(
-    cfg: CfgNode, run: TrainState, stats: dict, confusion: torch.Tensor
+    cfg: CfgNode,
+    run: TrainState,
+    stats: dict,
+    confusion: torch.Tensor,
+    ema: bool = False,
 ) -> None:
-    """Log an evaluation (1-based epoch ``progress.epoch``); save best weights."""
+    """Log an evaluation (1-based epoch ``progress.epoch``); save best weights.
+
+    ``ema``: of the EMA weights, which the model holds: "val_ema" records and
+    scalars, best_ema.pth.
+    """
     progress, epoch = run.progress, run.progress.epoch
     topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
-    is_best = stats["top1"] > progress.best_top1
-    progress.best_top1 = max(progress.best_top1, stats["top1"])
+    split = "val_ema" if ema else "val"
+    best = progress.best_ema_top1 if ema else progress.best_top1
+    is_best, best = stats["top1"] > best, max(best, stats["top1"])
+    if ema:
+        progress.best_ema_top1 = best
+    else:
+        progress.best_top1 = best
     memory = du.all_gather_object(peak_memory_mb(run.device))
     logger.info(
-        "val ep %d/%d  loss %.4f  top1 %.2f  top%d %.2f  samples %d  best %.2f  "
+        "%s ep %d/%d  loss %.4f  top1 %.2f  top%d %.2f  samples %d  best %.2f  "
         "peak memory %.0f MiB",
+        split,
         epoch,
         cfg.OPTIM.MAX_EPOCH,
         stats["loss"],
@@ -836,27 +928,28 @@ def _log_eval_and_save(
         topk,
         stats["topk"],
         stats["samples"],
-        progress.best_top1,
+        best,
         max(memory),
     )
     per_class = per_class_top1(confusion)
-    record = {"split": "val", "epoch": epoch, "world_size": run.plan.world_size}
+    record = {"split": split, "epoch": epoch, "world_size": run.plan.world_size}
     record.update(stats, peak_mem_mb=memory, per_class_top1=per_class)
     scalars = {
-        "val/loss": stats["loss"],
-        "val/top1": stats["top1"],
-        "val/topk": stats["topk"],
-        "memory/peak_mb": max(memory),
+        f"{split}/loss": stats["loss"],
+        f"{split}/top1": stats["top1"],
+        f"{split}/topk": stats["topk"],
     }
+    if not ema:  # the same run, the same memory
+        scalars["memory/peak_mb"] = max(memory)
     if len(per_class) <= reports.MAX_PLOTTED_CLASSES:
         for name, top1 in zip(run.classes, per_class):
             if top1 is not None:
-                scalars[f"val_per_class/{name}"] = top1
+                scalars[f"{split}_per_class/{name}"] = top1
         image = reports.confusion_image(confusion, run.classes)
-        run.writer.image("val/confusion_matrix", image, epoch)
+        run.writer.image(f"{split}/confusion_matrix", image, epoch)
     measured = np.array([top1 for top1 in per_class if top1 is not None])
     if measured.size:
-        run.writer.histogram("val/per_class_top1", measured, epoch)
+        run.writer.histogram(f"{split}/per_class_top1", measured, epoch)
     run.writer.write(record, scalars, epoch)
     if not is_best:
         return
@@ -870,7 +963,8 @@ def _log_eval_and_save(
             "classes": run.classes,
             "cfg": cfg.dump(),
         }
-        cp.save_weights(os.path.join(cfg.OUT_DIR, cp.BEST_WEIGHTS), weights)
+        name = cp.BEST_EMA_WEIGHTS if ema else cp.BEST_WEIGHTS
+        cp.save_weights(os.path.join(cfg.OUT_DIR, name), weights)
 
 
 def _eval_weights_path(cfg: CfgNode) -> str:
