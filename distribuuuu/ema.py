@@ -105,8 +105,8 @@ class ModelEma:
             torch._foreach_copy_(self._locals(self.average), self._locals(self.live))
 
     def _locals(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        # Looked up at each use: FSDP may re-point a parameter's local tensor
-        # (within the same storage) when it loads a state_dict.
+        # Looked up at each use rather than kept: FSDP2 may give a parameter a
+        # new local tensor (a view of the same storage) when it loads weights.
         return [_local(tensors[name]) for name in self.live]
 
     def current_decay(self) -> float:
@@ -152,7 +152,7 @@ class ModelEma:
         """The average by state_dict name (DTensor shards under FSDP).
 
         Fit for ``torch.save`` when whole, for ``torch.distributed.checkpoint``
-        when sharded; :meth:`load_tensors` reads either.
+        when sharded; :meth:`load` and :meth:`load_shards` read them back.
         """
         return dict(self.average)
 
