@@ -54,6 +54,11 @@ _C.MODEL.DUMMY_INPUT = False
 # (or transformer block) in the backward pass instead of keeping them, trading
 # about one extra forward pass for memory; the result does not change
 _C.MODEL.ACT_CKPT = False
+# Keep the weights (and so the activations of every convolution) in the
+# channels-last memory layout (NHWC), which cuDNN's tensor-core kernels prefer:
+# the usual choice on GPUs with mixed precision. On CPUs it measured slower
+# (tools/benchmark.py, README "Performance"), so it is off by default
+_C.MODEL.CHANNELS_LAST = False
 
 # ---------------------------------------------------------------------------- #
 # Data
@@ -71,6 +76,12 @@ _C.DATA.SYNTHETIC_SIZE = [512, 128]
 # in its place and logs a warning naming the file (once per process). Files are
 # checked as they are loaded, never decoded up front, so start-up stays fast
 _C.DATA.SKIP_CORRUPT = False
+# How imagefolder files are decoded: tensor (torchvision.io to a uint8 tensor,
+# about twice the images per second of PIL; the crops, flips and augmentations
+# draw the same random numbers, the pixels differ by the rounding of decoder
+# and resize) | pil (PIL images, as torchvision's ImageFolder; for other
+# formats, or to reproduce runs made before the tensor decoder)
+_C.DATA.DECODER = "tensor"
 # Auto-augment policy of the training images, applied after crop and flip on the
 # uint8 image: none | randaugment (RANDAUG_N operations of magnitude RANDAUG_M)
 # | trivialaugment (TrivialAugmentWide) | autoaugment (the learned policy of
@@ -121,6 +132,14 @@ _C.TRAIN.ACCUM_STEPS = 1
 _C.TRAIN.MIXED_PRECISION = "none"
 # Log training metrics every this many optimizer steps
 _C.TRAIN.PRINT_FREQ = 20
+# Warn once (rank 0) when waiting for data took more than this share of the
+# step time in 3 logged windows in a row, with hints to feed the model faster
+# (0 = never warn)
+_C.TRAIN.DATA_BOUND_SHARE = 0.2
+# Images per second of one process alone on this hardware and recipe (e.g.
+# from tools/benchmark.py); with more processes the log shows the scaling
+# efficiency, global img/s / (processes x this) (0 = not shown)
+_C.TRAIN.SINGLE_PROCESS_IMG_PER_S = 0.0
 # k of the top-k accuracy (clipped to MODEL.NUM_CLASSES)
 _C.TRAIN.TOPK = 5
 # Label smoothing of the training loss (0 = off; 0.1 in Szegedy et al. 2016 and
@@ -507,6 +526,8 @@ _RANGES = {
     "TRAIN.WORKERS": (lambda v: v >= 0, "must be >= 0"),
     "TRAIN.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
     "TRAIN.TOPK": (lambda v: v >= 1, "must be >= 1"),
+    "TRAIN.DATA_BOUND_SHARE": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
+    "TRAIN.SINGLE_PROCESS_IMG_PER_S": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "TRAIN.LABEL_SMOOTHING": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "TRAIN.MIXUP_ALPHA": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "TRAIN.CUTMIX_ALPHA": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
@@ -552,6 +573,7 @@ _RANGES = {
 _CHOICES = {
     "DATA.NAME": DATA_NAMES,
     "DATA.AUTO_AUGMENT": AUTO_AUGMENTS,
+    "DATA.DECODER": ("tensor", "pil"),
     "OPTIM.LR_POLICY": LR_POLICIES,
     "OPTIM.OPTIMIZER": OPTIMIZERS,
     "DIST.BACKEND": BACKENDS,
