@@ -89,7 +89,7 @@ def imagenet_transforms(
 
     Both draw the same random numbers; on tensors the resizes use torch's
     antialiased bilinear kernel instead of PIL's (pixel values differ by
-    rounding) and run about twice as fast (``tools/benchmark.py``).
+    rounding) and run faster (1.2-1.7x with the decoding, ``tools/benchmark.py``).
 
     Training: RandomResizedCrop(train_size), a horizontal flip, ``augment``
     (on the uint8 image) and, after normalisation, random erasing with
