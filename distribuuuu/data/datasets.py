@@ -157,9 +157,8 @@ def decode_image_file(path: str) -> torch.Tensor:
     for JPEG, as in Pillow's wheels), which hands the pixels over as a tensor
     without a PIL image in between; with the tensor transforms after it, the
     loader gives 1.2-1.7x the images per second of PIL's (``tools/benchmark.py``
-    on 2 CPU cores).  Other formats,
-    and files it refuses, go through PIL (:func:`load_image`), which raises
-    the DataError naming a damaged file.
+    on 2 CPU cores).  Other formats, and files it refuses, go through PIL
+    (:func:`load_image`), which raises the DataError naming a damaged file.
     """
     if decode_image is not None:
         try:
