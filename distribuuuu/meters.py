@@ -97,6 +97,30 @@ def peak_memory_mb(device: torch.device) -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # B or KiB
 
 
+class DataBoundWatch:
+    """Tells once per run when loading data holds the training steps back.
+
+    It trips when the data share of the step time exceeds a threshold in
+    ``windows`` logged windows in a row: one slow window (a worker start, a
+    cold file cache) is not a data-bound run.
+    """
+
+    def __init__(self, windows: int = 3):
+        self.windows, self.in_a_row, self.tripped = windows, 0, False
+
+    def update(self, data_s: float, step_s: float, share: float) -> bool:
+        """Add a window's mean data and step seconds; True the first time it trips.
+
+        ``share`` 0 turns the watch off.
+        """
+        slow = share > 0 and data_s > share * step_s
+        self.in_a_row = self.in_a_row + 1 if slow else 0
+        if self.tripped or self.in_a_row < self.windows:
+            return False
+        self.tripped = True
+        return True
+
+
 def progress_bar(done: int, total: int, width: int = 20) -> str:
     """A text bar such as ``[#####-----]`` for ``done`` out of ``total``."""
     filled = width * done // max(total, 1)

@@ -11,7 +11,7 @@ import random
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from distribuuuu.logger import (
 from distribuuuu.losses import TrainLoss, build_train_loss, mix_seed
 from distribuuuu.meters import (
     ConfusionMatrix,
+    DataBoundWatch,
     MetricSums,
     format_eta,
     peak_memory_mb,
@@ -205,6 +206,7 @@ class TrainState:
     writer: MetricsWriter
     classes: list[str]  # class names in label order, saved with the weights
     ema: ModelEma | None = None  # moving average of the weights (MODEL.EMA)
+    data_watch: DataBoundWatch = field(default_factory=DataBoundWatch)
 
 
 def plan_batches(cfg: CfgNode, world_size: int, saved: dict | None) -> BatchPlan:
@@ -371,10 +373,13 @@ def _log_train(cfg, run, meter, step, steps, lr, elapsed, data_time) -> dict:
     return them."""
     epoch = run.progress.epoch
     stats = meter.reduce()
-    img_per_s = stats["samples"] / elapsed
+    speed = _throughput(cfg, run.plan.world_size, stats["samples"], elapsed)
+    img_per_s = speed["img_per_s"]
+    step_time = elapsed * run.plan.global_batch / max(stats["samples"], 1)
+    _watch_data_time(cfg, run, data_time, step_time)
     logger.info(
         "train ep %d/%d it %d/%d  loss %.4f  top1 %.2f  top%d %.2f  lr %.5f  "
-        "img/s %.0f  data %.1fms  eta %s",
+        "img/s %.0f%s  data %.1fms  eta %s",
         epoch + 1,
         cfg.OPTIM.MAX_EPOCH,
         step + 1,
@@ -385,6 +390,7 @@ def _log_train(cfg, run, meter, step, steps, lr, elapsed, data_time) -> dict:
         stats["topk"],
         lr,
         img_per_s,
+        _format_scaling(speed),
         1000 * data_time,
         format_eta(run.clock.eta()),
         extra={STATUS_LINE: True},
@@ -394,7 +400,7 @@ def _log_train(cfg, run, meter, step, steps, lr, elapsed, data_time) -> dict:
         "epoch": epoch + 1,
         "iter": step + 1,
         "lr": lr,
-        "img_per_s": img_per_s,
+        **speed,
         "data_ms": 1000 * data_time,
         **stats,
     }
@@ -403,10 +409,58 @@ def _log_train(cfg, run, meter, step, steps, lr, elapsed, data_time) -> dict:
         "train/top1": stats["top1"],
         "train/lr": lr,
         "train/img_per_s": img_per_s,
+        "train/img_per_s_per_rank": speed["img_per_s_per_rank"],
         "train/data_ms": 1000 * data_time,
     }
     run.writer.write(record, scalars, epoch * steps + step + 1)
     return stats
+
+
+def _throughput(cfg: CfgNode, world_size: int, samples: int, elapsed: float) -> dict:
+    """Global and per-process img/s of a window, and the scaling efficiency.
+
+    The efficiency (global img/s over ``world_size`` times the one-process
+    figure TRAIN.SINGLE_PROCESS_IMG_PER_S) is there only with more than one
+    process and that figure set.
+    """
+    img_per_s = samples / max(elapsed, 1e-9)
+    speed = {
+        "img_per_s": img_per_s,
+        "img_per_s_per_rank": img_per_s / world_size,
+        "world_size": world_size,
+    }
+    alone = cfg.TRAIN.SINGLE_PROCESS_IMG_PER_S
+    if world_size > 1 and alone > 0:
+        speed["scaling_efficiency"] = img_per_s / (world_size * alone)
+    return speed
+
+
+def _format_scaling(speed: dict) -> str:
+    """`` (N/rank, eff. E%)`` for the log line; empty for one process."""
+    if speed["world_size"] == 1:
+        return ""
+    text = f" ({speed['img_per_s_per_rank']:.0f}/rank"
+    if "scaling_efficiency" in speed:
+        text += f", scaling eff. {100 * speed['scaling_efficiency']:.0f}%"
+    return text + ")"
+
+
+def _watch_data_time(cfg: CfgNode, run: TrainState, data_s: float, step_s: float):
+    """Rank 0 warns once when the steps wait for data (TRAIN.DATA_BOUND_SHARE)."""
+    share = cfg.TRAIN.DATA_BOUND_SHARE
+    if run.data_watch.update(data_s, step_s, share) and du.is_main_process():
+        logger.warning(
+            "data-bound: waiting for data took %.0f%% of the step time (more than "
+            "TRAIN.DATA_BOUND_SHARE %.2f) in %d logged windows in a row; feed the "
+            "model faster: raise TRAIN.WORKERS (now %d; about one per CPU core "
+            "per process), keep DATA.DECODER tensor (now %s), or store the "
+            "images pre-resized (shorter side about 1.15 x TRAIN.IM_SIZE)",
+            100 * data_s / max(step_s, 1e-9),
+            share,
+            run.data_watch.windows,
+            cfg.TRAIN.WORKERS,
+            cfg.DATA.DECODER,
+        )
 
 
 @torch.no_grad()
@@ -717,6 +771,10 @@ def _build_run(
         blocks = enable_activation_checkpointing(model)
         logger.info("activation checkpointing: %d blocks recompute", blocks)
     amp_dtype, use_scaler = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
+    if cfg.MODEL.CHANNELS_LAST:
+        # Convolutions give outputs in the layout of their weights, so the whole
+        # network runs channels-last whatever the layout of the input batch.
+        model = model.to(memory_format=torch.channels_last)
     model = wrap_model(
         model,
         device,

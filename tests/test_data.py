@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from PIL import Image
+from torchvision.transforms import v2
 
 from distribuuuu.config import load_cfg
 from distribuuuu.data import (
@@ -146,3 +147,62 @@ def test_imagefolder_reads_each_split_from_its_own_key(tmp_path):
     assert (len(train_set), len(val_set)) == (6, 4)
     assert train_set.classes == ["cat", "dog"]
     assert train_set[0][0].shape == (3, 32, 32) and val_set[0][0].shape == (3, 32, 32)
+
+
+def _jpeg_folder(root) -> None:
+    """Two classes of two 120 x 90 JPEGs: smooth colour ramps with a sine wave."""
+    y, x = torch.meshgrid(torch.arange(90.0), torch.arange(120.0), indexing="ij")
+    for label in range(2):
+        folder = root / f"class{label}"
+        folder.mkdir(parents=True)
+        for i in range(2):
+            red = 2 * x + 40 * torch.sin(y / (7 + i))
+            pixels = torch.stack([red, 2.5 * y, 120 + 60 * torch.cos(x / 9)], dim=-1)
+            array = pixels.clamp(0, 255).to(torch.uint8).numpy()
+            Image.fromarray(array).save(folder / f"{i}.jpg", quality=95)
+
+
+def _folder_cfg(root, decoder: str):
+    words = f"TRAIN.DATASET {root} TEST.DATASET {root} TEST.SPLIT train "
+    words += (
+        f"TRAIN.IM_SIZE 48 TEST.IM_SIZE 56 MODEL.NUM_CLASSES 2 DATA.DECODER {decoder}"
+    )
+    return load_cfg(None, words.split())
+
+
+def test_tensor_decoder_draws_the_same_augmentation_as_pil(tmp_path):
+    _jpeg_folder(tmp_path / "train")
+    tensor_cfg, pil_cfg = _folder_cfg(tmp_path, "tensor"), _folder_cfg(tmp_path, "pil")
+    fast = SeededDataset(build_dataset(tensor_cfg, train=True))
+    classic = SeededDataset(build_dataset(pil_cfg, train=True))
+    for index in range(4):
+        seed = sample_seed(3, 0, index)
+        image, label = fast[(index, seed)]
+        reference, reference_label = classic[(index, seed)]
+        assert image.dtype == torch.float32 and label == reference_label
+        # Same crop and flip; the pixels differ by decoder and resize rounding
+        # only (a level of 1/255 is about 0.017 after normalisation).
+        assert (image - reference).abs().mean() < 0.02
+        other = classic[(index, sample_seed(3, 1, index))][0]
+        assert (other - reference).abs().mean() > 0.2  # another crop is far off
+    val_fast = build_dataset(tensor_cfg, train=False)[1][0]
+    val_classic = build_dataset(pil_cfg, train=False)[1][0]
+    assert (val_fast - val_classic).abs().mean() < 0.02
+
+
+def test_tensor_decoder_reads_other_formats_and_names_a_damaged_file(tmp_path):
+    from distribuuuu.data.datasets import DataError, decode_image_file, load_image
+
+    image = Image.new("RGB", (30, 20), (200, 30, 90))
+    image.putpixel((3, 4), (0, 255, 0))
+    image.save(tmp_path / "a.bmp")  # a format torchvision.io does not decode
+    decoded = decode_image_file(str(tmp_path / "a.bmp"))
+    assert decoded.shape == (3, 20, 30) and decoded.dtype == torch.uint8
+    assert decoded[:, 4, 3].tolist() == [0, 255, 0]
+    assert torch.equal(
+        decoded, v2.functional.pil_to_tensor(load_image(str(tmp_path / "a.bmp")))
+    )
+    garbage = tmp_path / "bad.jpg"
+    garbage.write_bytes(b"\xff\xd8 not really a jpeg")
+    with pytest.raises(DataError, match="bad.jpg"):
+        decode_image_file(str(garbage))

@@ -45,11 +45,13 @@ def test_single_process_run_writes_every_output(reference_run):
         assert key in val[-1]
     train = read_metrics(out, "train")
     assert {"epoch", "iter", "loss", "lr", "img_per_s"} <= set(train[0])
+    assert train[0]["img_per_s_per_rank"] == train[0]["img_per_s"] > 0
     assert any(
         name.startswith("events.out.tfevents") for name in os.listdir(f"{out}/tb")
     )
     log = read_text(out, "log.txt")
     assert "val ep 2/2" in log and "eta" in log
+    assert "data-bound" not in log  # in-memory digits keep the steps busy
     checkpoints = os.path.join(out, "checkpoints")
     assert read_text(checkpoints, "last").strip() == "ckpt_ep_0002.pth"
     state = torch.load(os.path.join(checkpoints, "ckpt_ep_0002.pth"), weights_only=True)
@@ -73,9 +75,13 @@ def test_torchrun_counts_every_validation_sample_once(tmp_path, nproc):
     assert_ok(result)
     (val,) = read_metrics(out, "val")
     assert val["world_size"] == nproc and val["samples"] == VAL_SIZE
+    train = read_metrics(out, "train")[-1]
+    assert train["world_size"] == nproc
+    assert train["img_per_s_per_rank"] * nproc == pytest.approx(train["img_per_s"])
     assert os.path.exists(os.path.join(out, f"log_rank{nproc - 1}.txt"))
     log = read_text(out, "log.txt")
     assert f"rank 0 of {nproc}" in log and "backend gloo" in log
+    assert "/rank)" in log  # per-process img/s beside the global figure
 
 
 def test_deprecated_launcher(tmp_path):

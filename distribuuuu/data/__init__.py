@@ -98,7 +98,8 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
         return ds.TensorImageDataset(images, labels, classes, transform)
     if name == "imagefolder":
         path, key = _image_folder(cfg, train)
-        dataset = ds.CheckedImageFolder(path, transform, key)
+        loader = ds.decode_image_file if cfg.DATA.DECODER == "tensor" else ds.load_image
+        dataset = ds.CheckedImageFolder(path, transform, key, loader)
         _check_class_count(key, path, len(dataset.classes), cfg.MODEL.NUM_CLASSES)
         return ds.SkipUnreadable(dataset) if cfg.DATA.SKIP_CORRUPT else dataset
     if name == "synthetic":

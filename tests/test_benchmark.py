@@ -1,0 +1,73 @@
+"""tools/benchmark.py: the short mode runs and writes its table and JSON.
+
+Timings are never asserted: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+from conftest import REPO, assert_ok, run
+
+# Loaded from this checkout's file: distribuuuu.tools maps to the installed one.
+_SPEC = importlib.util.spec_from_file_location(
+    "benchmark", f"{REPO}/tools/benchmark.py"
+)
+benchmark = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(benchmark)
+
+SIDE_KEYS = {"median", "min", "max", "runs"}
+
+
+def test_short_benchmark_writes_table_and_json(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, f"{REPO}/tools/benchmark.py", "--short", "--threads", "1"]
+    cmd += ["--model", "resnet8", "--batch", "8", "--out", str(out)]
+    result = run(cmd, timeout=240)
+    assert_ok(result)
+    for row in ("train_step", "train_step cpu", "eval", "data_pipeline", "startup"):
+        assert row in result.stdout
+    report = json.loads(out.read_text())
+    settings, results = report["settings"], report["results"]
+    assert settings["model"] == "resnet8" and settings["batch"] == 8
+    assert settings["threads"] == 1
+    pairs = {"train_step": "minimal", "eval": "minimal", "data_pipeline": "torchvision"}
+    for name, reference in pairs.items():
+        for side in ("ours", reference, "ratio"):
+            figure = results[name][side]
+            assert set(figure) == SIDE_KEYS and len(figure["runs"]) == 2
+            assert figure["min"] <= figure["median"] <= figure["max"]
+            assert figure["min"] > 0
+        for side in ("ours", reference, "ratio"):
+            figure = results[name]["cpu"][side]
+            assert set(figure) == SIDE_KEYS and len(figure["runs"]) == 2
+            assert figure["min"] <= figure["median"] <= figure["max"]
+            assert figure["min"] > 0
+    assert results["startup"]["seconds"]["median"] > 0
+
+
+def test_interleave_alternates_the_first_side_and_pairs_ratios(monkeypatch):
+    calls = []
+    # Fake clocks: each side's call lasts the seconds given (wall and CPU alike).
+    seconds = {"a": iter([1.0, 0.5, 0.25]), "b": iter([2.0, 2.0, 1.0])}
+    now = [0.0]
+    monkeypatch.setattr(benchmark.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(benchmark, "cpu_seconds", lambda: now[0])
+
+    def side(name):
+        def measure():
+            calls.append(name)
+            now[0] += next(seconds[name])
+            return 10  # images
+
+        return measure
+
+    result = benchmark.interleave({"a": side("a"), "b": side("b")}, 3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert result["a"]["runs"] == [10.0, 20.0, 40.0]
+    assert result["b"]["runs"] == [5.0, 5.0, 10.0]
+    assert result["ratio"]["runs"] == [2.0, 4.0, 4.0]
+    assert result["ratio"]["median"] == 4.0
+    assert result["cpu"]["ratio"]["runs"] == [2.0, 4.0, 4.0]

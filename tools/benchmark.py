@@ -1,0 +1,495 @@
+#!/usr/bin/env python3
+"""Throughput of distribuuuu beside the plain PyTorch code people would write.
+
+    python tools/benchmark.py [--cfg FILE] [--model resnet18 --im-size 32 ...]
+    python tools/benchmark.py --short          # seconds: the CI smoke test
+
+Four measurements, printed as a table and written as JSON (``--out``):
+
+* train step: img/s of distribuuuu's training loop (``trainer.train_epoch``:
+  learning-rate schedule, loss, backward, optimizer, metrics, logging) beside
+  a minimal loop (forward, loss, zero_grad, backward, step, ``loss.item()``
+  every step) on the same model, batches and threads;
+* data pipeline: img/s of our ImageFolder loader (decode and train
+  transforms) beside ``torchvision.datasets.ImageFolder`` with the classic
+  PIL transforms, at the same worker count and batch, on a folder of
+  ImageNet-sized JPEGs that the tool writes first;
+* eval: img/s of ``trainer.evaluate`` beside a minimal no-grad loop;
+* start-up: seconds of ``train_net.py --dry-run`` from launch to exit (build,
+  one training step, one evaluation batch).
+
+The two sides of a measurement alternate, repeat after repeat (the first
+side changes every repeat), so that load from other processes on the machine
+hits both alike.  Each figure is the median over the repeats with the
+slowest and fastest repeat beside it; a ratio is the median of the
+per-repeat ratios.  Nothing is downloaded: the data are synthetic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+import torchvision
+from PIL import Image
+from torch import nn
+from torchvision import transforms as classic
+
+from distribuuuu.config import load_cfg
+from distribuuuu.data import build_dataset, build_train_loader
+from distribuuuu.data.datasets import IMAGENET_MEAN, IMAGENET_STD
+from distribuuuu.distributed import LaunchInfo
+from distribuuuu.logger import PACKAGE_LOGGER, MetricsWriter, setup_logging
+from distribuuuu.models import build_model
+from distribuuuu.trainer import _build_run, evaluate, resolve_precision, train_epoch
+
+TRAIN_NET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_net.py")
+# ImageNet's median photo is about 500 x 375 (4:3 landscape); the JPEGs of the
+# data-pipeline measurement have that size.
+JPEG_SIZE = (500, 375)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line (``sys.argv[1:]`` when ``argv`` is None)."""
+    parser = argparse.ArgumentParser(
+        prog="benchmark.py", description="Measure distribuuuu's throughput."
+    )
+    add = parser.add_argument
+    add("--cfg", default="", help="recipe to measure (default: the embedded one)")
+    add("--model", default="", help="MODEL.ARCH (default: the recipe's)")
+    add("--im-size", type=int, default=0, help="training crop of the train step")
+    add("--batch", type=int, default=0, help="images per step (default: recipe's)")
+    add("--steps", type=int, default=20, help="training steps per repeat")
+    add("--repeats", type=int, default=5, help="repeats of every measurement")
+    add("--precision", default="", help="TRAIN.MIXED_PRECISION: none|bf16|fp16")
+    add("--channels-last", action="store_true", help="MODEL.CHANNELS_LAST True")
+    add("--compile", action="store_true", help="torch.compile both models")
+    add("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    add("--ranks", type=int, default=1, help="processes of the start-up run")
+    add("--workers", type=int, default=2, help="data loader workers")
+    add("--data-images", type=int, default=256, help="JPEGs in the data folder")
+    add("--data-im-size", type=int, default=224, help="crop of the data pipeline")
+    add("--data-batch", type=int, default=32, help="batch of the data pipeline")
+    add("--only", default="train,data,eval,startup", help="what to measure")
+    add("--short", action="store_true", help="tiny sizes, 2 repeats (smoke test)")
+    add("--out", default="benchmark.json", help="JSON file to write")
+    args = parser.parse_args(argv)
+    if args.short:
+        args.steps, args.repeats, args.data_images = 3, 2, 16
+        args.data_im_size, args.data_batch = 64, 8
+    return args
+
+
+def summarize(values: list[float]) -> dict:
+    """Median, slowest and fastest of repeated measurements, and all of them."""
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "runs": values,
+    }
+
+
+def interleave(sides: dict[str, Callable[[], int]], repeats: int) -> dict:
+    """Run each side once per repeat, alternating which goes first.
+
+    A side returns the number of images it processed.  Returns each side's
+    img/s summary and the summary of the per-repeat ratio of the first side
+    to the second; under ``"cpu"`` the same from the CPU time of this process
+    and its child processes (:func:`cpu_seconds`), which other programs on a
+    busy machine disturb far less than the wall clock.
+    """
+    names = list(sides)
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(repeats):
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            tic, cpu_tic = time.perf_counter(), cpu_seconds()
+            images = sides[name]()
+            wall[name].append(images / (time.perf_counter() - tic))
+            cpu[name].append(images / max(cpu_seconds() - cpu_tic, 1e-9))
+    result = _compare(wall)
+    result["cpu"] = _compare(cpu)
+    return result
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process (all threads) and its live child processes.
+
+    The children are the data loader workers; their time is read from
+    ``/proc`` (Linux; elsewhere only this process counts).
+    """
+    total, me = time.process_time(), os.getpid()
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[1]) == me:  # fields: state, ppid, ..., utime (12), stime (13)
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def _compare(runs: dict[str, list[float]]) -> dict:
+    """Summaries of each side's runs and of the paired ratio first/second."""
+    result = {name: summarize(values) for name, values in runs.items()}
+    first, second = runs.values()
+    result["ratio"] = summarize([a / b for a, b in zip(first, second)])
+    return result
+
+
+class InMemoryLoader:
+    """``steps`` batches cycled from a list, shaped like a training DataLoader.
+
+    It has what ``train_epoch`` and ``evaluate`` read (``len``, iteration,
+    ``sampler.set_epoch``, ``dataset``), so both sides get the very same
+    tensors with no loading cost.
+    """
+
+    class _Sampler:
+        def set_epoch(self, epoch: int, start: int = 0) -> None:
+            """Nothing to shuffle."""
+
+    def __init__(self, batches: list, steps: int):
+        self.batches, self.steps = batches, steps
+        self.sampler = self._Sampler()
+        self.dataset = [(batches[0][0][0], 0)]
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator:
+        return (self.batches[i % len(self.batches)] for i in range(self.steps))
+
+
+def make_batches(count: int, batch: int, im_size: int, classes: int) -> list:
+    """``count`` batches of normalized-looking random images and labels."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (
+            torch.randn(batch, 3, im_size, im_size, generator=generator),
+            torch.randint(classes, (batch,), generator=generator),
+        )
+        for _ in range(count)
+    ]
+
+
+def bench_cfg(args: argparse.Namespace, out_dir: str):
+    """The frozen cfg of the measured recipe on synthetic data."""
+    opts = ["DATA.NAME", "synthetic", "OUT_DIR", out_dir, "DEVICE", "cpu"]
+    opts += ["DATA.SYNTHETIC_SIZE", "[64, 64]"]
+    if args.model:
+        opts += ["MODEL.ARCH", args.model]
+    if args.im_size:
+        opts += ["TRAIN.IM_SIZE", str(args.im_size), "TEST.IM_SIZE", str(args.im_size)]
+    if args.batch:
+        opts += [
+            "TRAIN.BATCH_SIZE",
+            str(args.batch),
+            "TEST.BATCH_SIZE",
+            str(args.batch),
+        ]
+    if args.precision:
+        opts += ["TRAIN.MIXED_PRECISION", args.precision]
+    if args.channels_last:
+        opts += ["MODEL.CHANNELS_LAST", "True"]
+    if torch.cuda.is_available():
+        opts[opts.index("DEVICE") + 1] = "cuda"
+    return load_cfg(args.cfg or None, opts)
+
+
+def minimal_train(model: nn.Module, loader, cfg, amp_dtype, device) -> Callable:
+    """One repeat of the plain loop of the tutorials; returns the images done.
+
+    Its optimizer has the recipe's settings, so that the comparison measures
+    the framework, not another optimizer.
+    """
+    optim_cfg = cfg.OPTIM
+    if optim_cfg.OPTIMIZER == "adamw":
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=optim_cfg.BASE_LR,
+            betas=tuple(optim_cfg.BETAS),
+            weight_decay=optim_cfg.WEIGHT_DECAY,
+        )
+    else:
+        optimizer = torch.optim.SGD(
+            model.parameters(),
+            lr=optim_cfg.BASE_LR,
+            momentum=optim_cfg.MOMENTUM,
+            dampening=optim_cfg.DAMPENING,
+            nesterov=optim_cfg.NESTEROV,
+            weight_decay=optim_cfg.WEIGHT_DECAY,
+        )
+    criterion = nn.CrossEntropyLoss()
+
+    def repeat() -> float:
+        model.train()
+        for images, targets in loader:
+            images, targets = images.to(device), targets.to(device)
+            with torch.autocast(device.type, amp_dtype, enabled=amp_dtype is not None):
+                loss = criterion(model(images), targets)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            loss.item()
+        return len(loader) * len(images)
+
+    return repeat
+
+
+def minimal_eval(model: nn.Module, loader, amp_dtype, device) -> Callable:
+    """One repeat of a plain no-grad evaluation loop; returns the images done."""
+
+    @torch.no_grad()
+    def repeat() -> float:
+        model.eval()
+        correct = 0
+        for images, targets in loader:
+            images, targets = images.to(device), targets.to(device)
+            with torch.autocast(device.type, amp_dtype, enabled=amp_dtype is not None):
+                correct += (model(images).argmax(1) == targets).sum().item()
+        return len(loader) * len(images)
+
+    return repeat
+
+
+@contextlib.contextmanager
+def quiet_run(cfg) -> Iterator:
+    """A one-process training run of ``cfg`` that logs to OUT_DIR/log.txt only."""
+    setup_logging(cfg.OUT_DIR, 0)
+    package_logger = logging.getLogger(PACKAGE_LOGGER)
+    for handler in list(package_logger.handlers):
+        if not isinstance(handler, logging.FileHandler):
+            package_logger.removeHandler(handler)
+    info = LaunchInfo("none", 0, 1, 0, 1, "127.0.0.1", 0)
+    device = torch.device(cfg.DEVICE)
+    writer = MetricsWriter(cfg.OUT_DIR, enabled=False)
+    run, _, _ = _build_run(cfg, info, device, writer)
+    yield run
+
+
+def bench_train_and_eval(args: argparse.Namespace, cfg, what: set[str]) -> dict:
+    """The train-step and eval measurements (ours beside minimal)."""
+    results: dict = {}
+    classes, batch = cfg.MODEL.NUM_CLASSES, cfg.TRAIN.BATCH_SIZE
+    batches = make_batches(4, batch, cfg.TRAIN.IM_SIZE, classes)
+    loader = InMemoryLoader(batches, args.steps)
+    with quiet_run(cfg) as run:
+        device = run.device
+        plain = build_model(cfg.MODEL.ARCH, classes).to(device)
+        if cfg.MODEL.CHANNELS_LAST:
+            plain = plain.to(memory_format=torch.channels_last)
+        amp_dtype, _ = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
+        if args.compile:
+            run.model, plain = torch.compile(run.model), torch.compile(plain)
+
+        def ours_train() -> int:
+            run.progress.consumed = 0
+            train_epoch(run, loader, cfg)
+            return args.steps * batch
+
+        def ours_eval() -> int:
+            topk = min(cfg.TRAIN.TOPK, classes)
+            evaluate(run.model, loader, device, topk, classes, 10**9, amp_dtype)
+            return args.steps * batch
+
+        if "train" in what:
+            sides = {"ours": ours_train, "minimal": minimal_train(
+                plain, loader, cfg, amp_dtype, device)}  # fmt: skip
+            interleave(sides, 1)  # warm-up: allocator, caches, compilation
+            results["train_step"] = interleave(sides, args.repeats)
+        if "eval" in what:
+            sides = {"ours": ours_eval, "minimal": minimal_eval(
+                plain, loader, amp_dtype, device)}  # fmt: skip
+            interleave(sides, 1)
+            results["eval"] = interleave(sides, args.repeats)
+    return results
+
+
+def write_jpeg_folder(root: str, images: int, classes: int = 2) -> None:
+    """``images`` JPEGs of JPEG_SIZE in ``classes`` class folders under ``root``.
+
+    Smooth colour fields with mild noise, saved at quality 90: they decode at
+    about the speed of photos, unlike pure noise, which is far slower.
+    """
+    generator = np.random.default_rng(0)
+    width, height = JPEG_SIZE
+    for index in range(images):
+        folder = os.path.join(root, f"c{index % classes}")
+        os.makedirs(folder, exist_ok=True)
+        coarse = generator.integers(0, 256, (height // 16, width // 16, 3))
+        smooth = Image.fromarray(coarse.astype(np.uint8)).resize(
+            JPEG_SIZE, Image.Resampling.BICUBIC
+        )
+        noise = generator.integers(-12, 13, (height, width, 3))
+        pixels = np.clip(np.asarray(smooth, dtype=np.int16) + noise, 0, 255)
+        Image.fromarray(pixels.astype(np.uint8)).save(
+            os.path.join(folder, f"{index}.jpg"), quality=90
+        )
+
+
+def reference_loader(root: str, im_size: int, batch: int, workers: int):
+    """torchvision's ImageFolder with the classic PIL transforms."""
+    transform = classic.Compose([
+        classic.RandomResizedCrop(im_size),
+        classic.RandomHorizontalFlip(),
+        classic.ToTensor(),
+        classic.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])  # fmt: skip
+    dataset = torchvision.datasets.ImageFolder(root, transform)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        drop_last=True,
+    )
+
+
+def our_loader(args: argparse.Namespace, root: str):
+    """Our training loader of the folder ``root``/train, as a run builds it."""
+    size = args.data_im_size
+    opts = ["DATA.NAME", "imagefolder", "TRAIN.DATASET", root, "TEST.DATASET", root]
+    opts += ["TRAIN.IM_SIZE", str(size), "TEST.IM_SIZE", str(size)]
+    opts += ["TRAIN.WORKERS", str(args.workers), "MODEL.NUM_CLASSES", "2"]
+    cfg = load_cfg(None, opts + ["TEST.SPLIT", "train", "DEVICE", "cpu"])
+    dataset = build_dataset(cfg, train=True)
+    device = torch.device("cpu")
+    return build_train_loader(cfg, dataset, 0, 1, 0, device, args.data_batch)
+
+
+def bench_data(args: argparse.Namespace, work_dir: str) -> dict:
+    """The data-pipeline measurement: img/s of one epoch of each loader."""
+    root = os.path.join(work_dir, "jpegs")
+    write_jpeg_folder(os.path.join(root, "train"), args.data_images)
+    ours = our_loader(args, root)
+    reference = reference_loader(
+        os.path.join(root, "train"), args.data_im_size, args.data_batch, args.workers
+    )
+    epoch = [0]
+
+    def one_epoch(loader, set_epoch: bool) -> int:
+        if set_epoch:
+            loader.sampler.set_epoch(epoch[0])
+            epoch[0] += 1
+        images = 0
+        for batch, _ in loader:
+            images += len(batch)
+        return images
+
+    sides = {
+        "ours": lambda: one_epoch(ours, True),
+        "torchvision": lambda: one_epoch(reference, False),
+    }
+    interleave(sides, 1)  # starts the persistent workers
+    return interleave(sides, args.repeats)
+
+
+def bench_startup(args: argparse.Namespace, work_dir: str) -> dict:
+    """Seconds of ``train_net.py --dry-run`` of the recipe, launch to exit."""
+    cmd = [sys.executable, TRAIN_NET, "--dry-run"]
+    if args.ranks > 1:
+        cmd += ["--num-procs", str(args.ranks)]
+    if args.cfg:
+        cmd += ["--cfg", args.cfg]
+    cmd += ["DATA.NAME", "synthetic", "OUT_DIR", os.path.join(work_dir, "startup")]
+    cmd += ["MODEL.ARCH", args.model] if args.model else []
+    if args.im_size:
+        cmd += ["TRAIN.IM_SIZE", str(args.im_size), "TEST.IM_SIZE", str(args.im_size)]
+    cmd += ["TRAIN.BATCH_SIZE", str(args.batch)] if args.batch else []
+    env = dict(os.environ)
+    if args.threads:  # torch reads it at start-up for its thread pool
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    seconds = []
+    for _ in range(1 if args.short else args.repeats):
+        tic = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True, timeout=600, env=env)
+        seconds.append(time.perf_counter() - tic)
+    return {"seconds": summarize(seconds), "ranks": args.ranks}
+
+
+def _row(name: str, result: dict, unit: str = "img/s") -> str:
+    sides = [key for key in result if key not in ("ratio", "cpu")]
+    cells = [
+        f"{key} {result[key]['median']:.1f} ({result[key]['min']:.1f}-"
+        f"{result[key]['max']:.1f})"
+        for key in sides
+    ]
+    text = f"{name:<18} {unit:<6} " + "  ".join(cells)
+    ratio = result.get("ratio")
+    if ratio:
+        text += f"  ratio {ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})"
+    return text
+
+
+def format_table(results: dict) -> str:
+    """The results as text: medians with (slowest-fastest) repeats."""
+    lines = ["measurement        unit   median (min-max) per side, ratio ours/other"]
+    for name in ("train_step", "eval", "data_pipeline"):
+        if name in results:
+            lines.append(_row(name, results[name]))
+            if "cpu" in results[name]:
+                lines.append(_row(f"{name} cpu", results[name]["cpu"], "img/cs"))
+    if "startup" in results:
+        startup = {"dry run": results["startup"]["seconds"]}
+        lines.append(_row("startup", startup, "s"))
+    lines.append("img/cs: images per CPU-second of the process and its workers")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the measurements, print the table, write the JSON; return the results."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    what = set(args.only.split(","))
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="distribuuuu-bench-") as work_dir:
+        cfg = bench_cfg(args, work_dir)
+        if what & {"train", "eval"}:
+            results.update(bench_train_and_eval(args, cfg, what))
+        if "data" in what:
+            results["data_pipeline"] = bench_data(args, work_dir)
+        if "startup" in what:
+            results["startup"] = bench_startup(args, work_dir)
+    report = {
+        "settings": {
+            **{k: v for k, v in vars(args).items() if k != "out"},
+            "model": cfg.MODEL.ARCH,
+            "im_size": cfg.TRAIN.IM_SIZE,
+            "batch": cfg.TRAIN.BATCH_SIZE,
+            "precision": cfg.TRAIN.MIXED_PRECISION,
+            "threads": torch.get_num_threads(),
+            "device": cfg.DEVICE,
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "torchvision": torchvision.__version__,
+        },
+        "results": results,
+    }
+    print(format_table(results))
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
