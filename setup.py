@@ -27,7 +27,7 @@ setup(
         "mlxtend",
     ],
     extras_require={
-        "dev": ["pytest>=7", "ruff==0.17.6"],
+        "dev": ["pytest>=7", "pytest-xdist>=3", "ruff==0.17.6"],
         "timm": ["timm"],
     },
     entry_points={

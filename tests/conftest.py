@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from distribuuuu.launch import find_free_port
 
@@ -17,6 +19,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_NET = os.path.join(REPO, "tools", "train_net.py")
 # A small, fast run of the embedded data set (seconds per epoch on 2 cores).
 FAST = ["MODEL.ARCH", "resnet8", "TRAIN.PRINT_FREQ", "20"]
+# One epoch of LeNet-5 on 256 synthetic images, validated on 101 (divisible by
+# neither 2 nor 3): for tests of how a job starts, where the data do not matter.
+TINY = "MODEL.ARCH lenet5 DATA.NAME synthetic DATA.SYNTHETIC_SIZE [256,101] "
+TINY += "TRAIN.BATCH_SIZE 32 OPTIM.MAX_EPOCH 1 TRAIN.PRINT_FREQ 2"
+TINY = TINY.split()
+TINY_VAL_SIZE = 101
+
+
+def pytest_configure(config) -> None:
+    """One torch thread per process, in the tests and every run they start: the
+    README runs two test files at a time (``pytest -n 2``), and on a 2-core
+    machine more threads would only wait for each other."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def free_port() -> int:
@@ -77,7 +93,8 @@ def process_table() -> list[tuple[int, int, int, str]]:
     return table
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """Every process started by ``pid``, directly or not."""
     children: dict[int, list[int]] = {}
     for child, parent, _, _ in process_table():
         children.setdefault(parent, []).append(child)
@@ -95,7 +112,7 @@ def kill_tree(pid: int) -> None:
     torchrun starts its workers in sessions of their own, so killing the
     launcher's group alone would leave them running.
     """
-    for target in [pid, *_descendants(pid)]:
+    for target in [pid, *descendants(pid)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(target, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
@@ -118,6 +135,29 @@ def torchrun(nproc: int, *args: str, timeout: float = 300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", TRAIN_NET, *args]
     return run(cmd, timeout=timeout)
+
+
+def import_train_net():
+    """tools/train_net.py imported as a module."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        import train_net as module
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def call_main(*args: str) -> subprocess.CompletedProcess:
+    """``main(ARGS)`` of tools/train_net.py in this process.
+
+    For input refused before anything runs (exit 2) it answers what the command
+    answers, without the seconds of a new interpreter importing torch;
+    test_hostile.py::test_debug_adds_the_traceback runs the command itself.
+    """
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = import_train_net().main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def opts(text: str) -> list[str]:

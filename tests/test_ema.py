@@ -189,9 +189,20 @@ def _ema_under_fsdp(rank: int, world: int, directory: str) -> dict:
             "outputs": outputs}  # fmt: skip
 
 
-def test_ema_of_fsdp_shards_matches_the_average_by_hand(tmp_path):
-    (result, _) = run_on_ranks(2, _ema_under_fsdp, (str(tmp_path / "dcp"),),
-                               tmp_path / "ranks")  # fmt: skip
+def _fsdp_ema_and_precise_bn(rank: int, world: int, directory: str) -> dict:
+    return {"ema": _ema_under_fsdp(rank, world, directory),
+            "bn": _precise_bn(rank, world)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(tmp_path_factory) -> list[dict]:
+    """The results of both 2-rank checks below, from one spawn of 2 processes."""
+    tmp = tmp_path_factory.mktemp("ranks")
+    return run_on_ranks(2, _fsdp_ema_and_precise_bn, (str(tmp / "dcp"),), tmp)
+
+
+def test_ema_of_fsdp_shards_matches_the_average_by_hand(on_two_ranks):
+    result = on_two_ranks[0]["ema"]
     expected = result["expected"]
     assert result["averaged"].keys() == expected.keys()
     for name, value in expected.items():
@@ -236,8 +247,8 @@ def _precise_bn(rank: int, world: int) -> dict:
     }
 
 
-def test_precise_bn_is_the_true_average_and_the_same_on_every_rank(tmp_path):
-    results = run_on_ranks(2, _precise_bn, (), tmp_path)
+def test_precise_bn_is_the_true_average_and_the_same_on_every_rank(on_two_ranks):
+    results = [result["bn"] for result in on_two_ranks]
     for result in results:
         assert result["count"] == 3
         torch.testing.assert_close(result["mean"], result["expected_mean"])

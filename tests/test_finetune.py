@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 import torchvision
-from conftest import assert_ok, read_text, train_net
+from conftest import assert_ok, call_main, read_text, train_net
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.models import build_model
@@ -60,7 +60,7 @@ def test_without_finetune_another_head_still_fails_clearly(
     ten_class_checkpoint, tmp_path
 ):
     path, _ = ten_class_checkpoint
-    result = train_net(*FIVE_CLASSES, "MODEL.WEIGHTS", path, "OUT_DIR", str(tmp_path))
+    result = call_main(*FIVE_CLASSES, "MODEL.WEIGHTS", path, "OUT_DIR", str(tmp_path))
     assert result.returncode == 2
     error = result.stderr.strip().splitlines()[-1]
     assert error.startswith("error: MODEL.WEIGHTS")
@@ -71,7 +71,7 @@ def test_without_finetune_another_head_still_fails_clearly(
 def test_finetune_refuses_another_architecture(ten_class_checkpoint, tmp_path):
     path, _ = ten_class_checkpoint
     args = [*FIVE_CLASSES, "MODEL.ARCH", "resnet14", "MODEL.WEIGHTS", path]
-    result = train_net(*args, "MODEL.FINETUNE", "True", "OUT_DIR", str(tmp_path))
+    result = call_main(*args, "MODEL.FINETUNE", "True", "OUT_DIR", str(tmp_path))
     assert result.returncode == 2
     error = result.stderr.strip().splitlines()[-1]
     assert "error: MODEL.WEIGHTS" in error and "another architecture" in error

@@ -19,7 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_ok, read_text, train_net
+from conftest import (
+    assert_ok,
+    call_main,
+    import_train_net,
+    read_text,
+    train_net,
+)
 from PIL import Image
 
 # A tiny LeNet-5 run on 28 px images (seconds on 2 cores).
@@ -87,9 +93,15 @@ def assert_one_error_line(result, code: int, words: list[str]) -> str:
 
 
 def run_hostile(out_dir: Path, args: list[str], code: int, words: list[str]) -> str:
-    """Run ``train_net ARGS OUT_DIR out_dir``; check the answer and OUT_DIR."""
+    """Run ``train_net ARGS OUT_DIR out_dir``; check the answer and OUT_DIR.
+
+    Refusals (exit 2) run in this process, failures of a run in a new one.
+    """
     before = snapshot(out_dir)
-    result = train_net(*args, "OUT_DIR", str(out_dir), timeout=120)
+    if code == 2:
+        result = call_main(*args, "OUT_DIR", str(out_dir))
+    else:
+        result = train_net(*args, "OUT_DIR", str(out_dir), timeout=120)
     line = assert_one_error_line(result, code, words)
     after = snapshot(out_dir)
     if code == 2:
@@ -326,7 +338,7 @@ def test_weights_with_pickled_code_are_refused(out_dir, tmp_path):
 def test_out_dir_is_a_regular_file(tmp_path):
     target = tmp_path / "out"
     target.write_text("precious\n")
-    result = train_net("OUT_DIR", str(target), timeout=120)
+    result = call_main("OUT_DIR", str(target))
     assert_one_error_line(result, 2, ["OUT_DIR", str(target), "not a directory"])
     assert target.read_text() == "precious\n"
 
@@ -334,7 +346,7 @@ def test_out_dir_is_a_regular_file(tmp_path):
 def test_out_dir_under_a_regular_file(tmp_path):
     parent = tmp_path / "file"
     parent.write_text("precious\n")
-    result = train_net("OUT_DIR", str(parent / "run" / "out"), timeout=120)
+    result = call_main("OUT_DIR", str(parent / "run" / "out"))
     assert_one_error_line(result, 2, ["OUT_DIR", str(parent), "not a directory"])
     assert parent.read_text() == "precious\n"
 
@@ -379,12 +391,7 @@ def test_full_disk_is_found_before_training(trained_out_dir, tmp_path):
 @pytest.fixture
 def cli():
     """tools/train_net.py imported as a module."""
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    try:
-        import train_net
-    finally:
-        sys.path.pop(0)
-    return train_net
+    return import_train_net()
 
 
 def _failing_train_model(cfg):

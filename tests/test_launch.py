@@ -14,6 +14,8 @@ import time
 import pytest
 from conftest import (
     FAST,
+    TINY,
+    TINY_VAL_SIZE,
     TRAIN_NET,
     assert_ok,
     free_port,
@@ -25,8 +27,6 @@ from conftest import (
     start,
     train_net,
 )
-
-ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]
 
 
 def _session_processes(session_id: int) -> list[int]:
@@ -56,10 +56,10 @@ def _wait_for(path: str, text: str, proc: subprocess.Popen, seconds: float) -> N
 
 
 def test_num_procs_spawns_a_real_process_group(tmp_path):
-    result = train_net("--num-procs", "2", *ONE_EPOCH, "OUT_DIR", str(tmp_path))
+    result = train_net("--num-procs", "2", *TINY, "OUT_DIR", str(tmp_path))
     assert_ok(result)
     (val,) = read_metrics(str(tmp_path), "val")
-    assert val["world_size"] == 2 and val["samples"] == 1000
+    assert val["world_size"] == 2 and val["samples"] == TINY_VAL_SIZE
     assert "rank 0 of 2" in read_text(str(tmp_path), "log.txt")
 
 
@@ -130,7 +130,7 @@ def _join_alone(rank: int, port: int, out_dir) -> subprocess.CompletedProcess:
     """Start rank ``rank`` of 2 with no peer, against master 127.0.0.1:``port``."""
     env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port)}  # fmt: skip
-    cmd = [sys.executable, TRAIN_NET, *ONE_EPOCH, "DIST.INIT_TIMEOUT", "5",
+    cmd = [sys.executable, TRAIN_NET, *TINY, "DIST.INIT_TIMEOUT", "5",
            "OUT_DIR", str(out_dir)]  # fmt: skip
     return run(cmd, env=env, timeout=120)
 
@@ -171,7 +171,7 @@ def test_two_node_torchrun_on_one_machine(tmp_path):
             "--master_addr=127.0.0.1",
             f"--master_port={port}",
             TRAIN_NET,
-            *ONE_EPOCH,
+            *TINY,
             "OUT_DIR",
             str(tmp_path),
         ]
@@ -185,7 +185,7 @@ def test_two_node_torchrun_on_one_machine(tmp_path):
             if proc.poll() is None:
                 kill_session(proc)
     (val,) = read_metrics(str(tmp_path), "val")
-    assert val["world_size"] == 2 and val["samples"] == 1000
+    assert val["world_size"] == 2 and val["samples"] == TINY_VAL_SIZE
 
     def val_line(name: str) -> str:
         lines = read_text(str(tmp_path), name).splitlines()
@@ -195,11 +195,11 @@ def test_two_node_torchrun_on_one_machine(tmp_path):
 
 
 def test_data_parallel_mode_falls_back_to_one_device(tmp_path):
-    result = train_net(*ONE_EPOCH, "DIST.MODE", "dp", "OUT_DIR", str(tmp_path))
+    result = train_net(*TINY, "DIST.MODE", "dp", "OUT_DIR", str(tmp_path))
     assert_ok(result)
     assert "falling back to one device" in result.stdout
     (val,) = read_metrics(str(tmp_path), "val")
-    assert val["samples"] == 1000
+    assert val["samples"] == TINY_VAL_SIZE
 
 
 @pytest.mark.parametrize("args", [["--num-procs", "0"], ["--num-procs", "2"]])

@@ -66,23 +66,45 @@ def _momentum_by_name(arch: str, state: dict) -> dict:
     }
 
 
-@pytest.mark.parametrize(
-    "arch, strategy, act_ckpt",
-    [("lenet5", "zero1", False), ("lenet5", "fsdp", False), ("resnet8", "fsdp", True)],
-)
+# (model, strategy, activation checkpointing), each compared with plain DDP.
+CASES = [
+    ("lenet5", "zero1", False),
+    ("lenet5", "fsdp", False),
+    ("resnet8", "fsdp", True),
+]
+
+
+def _train_every_case(rank: int, world: int) -> dict:
+    """Every strategy of CASES and DDP beside it, in one process group."""
+    runs = {}
+    for arch, strategy, act_ckpt in [(a, "ddp", False) for a, _, _ in CASES] + CASES:
+        key = (arch, strategy, act_ckpt)
+        if key not in runs:
+            runs[key] = _train(rank, world, arch, strategy, act_ckpt)
+    return {"/".join(map(str, key)): value for key, value in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def trained_on_two_ranks(tmp_path_factory) -> dict:
+    """Rank 0's results of :func:`_train_every_case` on 2 gloo ranks."""
+    out = tmp_path_factory.mktemp("strategies")
+    return run_on_ranks(2, _train_every_case, (), out)[0]
+
+
+@pytest.mark.parametrize("arch, strategy, act_ckpt", CASES)
 def test_sharded_strategies_reach_the_parameters_of_ddp(
-    tmp_path, arch, strategy, act_ckpt
+    trained_on_two_ranks, arch, strategy, act_ckpt
 ):
     """Training-mode BatchNorm (resnet8) normalises with the batch statistics of
     each rank under both strategies, so its parameters must agree as well."""
-    ddp = run_on_ranks(2, _train, (arch, "ddp", False), tmp_path / "ddp")
-    other = run_on_ranks(2, _train, (arch, strategy, act_ckpt), tmp_path / strategy)
-    for key, value in ddp[0]["model"].items():
+    ddp = trained_on_two_ranks[f"{arch}/ddp/False"]
+    other = trained_on_two_ranks[f"{arch}/{strategy}/{act_ckpt}"]
+    for key, value in ddp["model"].items():
         if "running_" in key or "num_batches" in key:
             continue  # DDP broadcasts rank 0's BN statistics, FSDP keeps its own
-        torch.testing.assert_close(other[0]["model"][key], value, msg=key)
-    expected = _momentum_by_name(arch, ddp[0]["optimizer"])
-    actual = _momentum_by_name(arch, other[0]["optimizer"])
+        torch.testing.assert_close(other["model"][key], value, msg=key)
+    expected = _momentum_by_name(arch, ddp["optimizer"])
+    actual = _momentum_by_name(arch, other["optimizer"])
     assert actual.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(actual[name], value, msg=name)

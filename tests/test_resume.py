@@ -15,6 +15,7 @@ from conftest import (
     FAST,
     TRAIN_NET,
     assert_ok,
+    descendants,
     kill_session,
     read_metrics,
     read_text,
@@ -77,16 +78,30 @@ def _kill_mid_run(
     assert not os.path.exists(os.path.join(out, "checkpoints", before)), before
 
 
-def _sigkill_then_rerun_matches_uninterrupted(tmp_path, nproc: int) -> None:
+def _sigkill_then_rerun_matches_uninterrupted(tmp_path, nproc: int, tear: bool):
+    """Kill a one-epoch run (every process) at a random moment after its second
+    checkpoint; with ``tear``, also cut its newest checkpoint in half, as a
+    crash while writing would without the atomic rename.  The rerun resumes
+    (from the checkpoint before the torn one) and ends bitwise where an
+    uninterrupted run ends."""
     reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
     one_epoch = [*RUN, "OPTIM.MAX_EPOCH", "1"]  # 62 steps, checkpoints every 10
     launch = (lambda *a: torchrun(nproc, *a)) if nproc > 1 else train_net
     assert_ok(launch(*one_epoch, "OUT_DIR", reference))
     args = [*one_epoch, "OUT_DIR", killed]
-    _kill_mid_run(nproc, args, killed, "ckpt_ep_0000_it_*.pth", "ckpt_ep_0001.pth", 2)
+    pattern = "ckpt_ep_0000_it_002*.pth"
+    _kill_mid_run(nproc, args, killed, pattern, "ckpt_ep_0001.pth", 2)
+    newest = sorted(glob.glob(os.path.join(killed, "checkpoints", "ckpt_*.pth")))[-1]
+    if tear:
+        with open(newest, "r+b") as f:
+            f.truncate(os.path.getsize(newest) // 2)
     rerun = launch(*args)
     assert_ok(rerun)
     assert "resumed from" in rerun.stdout
+    if tear:
+        assert f"skipping unreadable checkpoint {newest}" in rerun.stdout
+        resumed = rerun.stdout.split("resumed from ", 1)[1].split()[0]
+        assert os.path.basename(resumed) < os.path.basename(newest)
     expected, actual = _final_model(reference), _final_model(killed)
     assert expected.keys() == actual.keys()
     for key in expected:
@@ -97,42 +112,26 @@ def _sigkill_then_rerun_matches_uninterrupted(tmp_path, nproc: int) -> None:
     )
 
 
-def test_sigkill_at_a_random_step_then_rerun_is_bitwise_identical(tmp_path):
-    _sigkill_then_rerun_matches_uninterrupted(tmp_path, 1)
+def test_sigkill_and_a_torn_checkpoint_then_rerun_is_bitwise_identical(tmp_path):
+    _sigkill_then_rerun_matches_uninterrupted(tmp_path, 1, tear=True)
 
 
 def test_sigkill_two_ranks_then_rerun_is_bitwise_identical(tmp_path):
-    _sigkill_then_rerun_matches_uninterrupted(tmp_path, 2)
-
-
-def test_torn_newest_checkpoint_is_skipped(tmp_path):
-    out = str(tmp_path)
-    assert_ok(train_net(*RUN, "OPTIM.MAX_EPOCH", "1", "OUT_DIR", out))
-    newest = os.path.join(
-        out, "checkpoints", read_text(out, "checkpoints", "last").strip()
-    )
-    with open(newest, "r+b") as f:
-        f.truncate(os.path.getsize(newest) // 2)
-    result = train_net(*RUN, "OUT_DIR", out)
-    assert_ok(result)
-    assert f"skipping unreadable checkpoint {newest}" in result.stdout
-    assert "resumed from" in result.stdout and "ckpt_ep_0000_it_0060" in result.stdout
-    assert [r["epoch"] for r in read_metrics(out, "val")][-1] == 2
+    _sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, tear=False)
 
 
 def _worker_pid(torchrun_pid: int, rank: int) -> int:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    """The pid of the worker of ``rank`` that torchrun ``torchrun_pid`` started."""
+    for pid in descendants(torchrun_pid):
         try:
-            cmdline = read_text("/proc", entry, "cmdline")
-            with open(f"/proc/{entry}/environ", "rb") as f:
+            cmdline = read_text("/proc", str(pid), "cmdline")
+            with open(f"/proc/{pid}/environ", "rb") as f:
                 environ = f.read().split(b"\0")
         except OSError:
             continue
         is_worker = TRAIN_NET in cmdline and "torch.distributed.run" not in cmdline
         if is_worker and f"RANK={rank}".encode() in environ:
-            return int(entry)
+            return pid
     raise AssertionError(f"no rank {rank} worker found under {torchrun_pid}")
 
 

@@ -11,6 +11,8 @@ import yaml
 from conftest import (
     FAST,
     REPO,
+    TINY,
+    TINY_VAL_SIZE,
     TRAIN_NET,
     assert_ok,
     free_port,
@@ -68,13 +70,13 @@ def test_eval_only_prints_top1_of_the_best_weights(reference_run):
     assert "samples 1000" in result.stdout
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_torchrun_counts_every_validation_sample_once(tmp_path, nproc):
-    out = str(tmp_path)
-    result = torchrun(nproc, *FAST, "OPTIM.MAX_EPOCH", "1", "OUT_DIR", out)
+def test_torchrun_counts_every_validation_sample_once(tmp_path):
+    """3 ranks (2 ranks: test_deprecated_launcher)."""
+    nproc, out = 3, str(tmp_path)
+    result = torchrun(nproc, *TINY, "OUT_DIR", out)
     assert_ok(result)
     (val,) = read_metrics(out, "val")
-    assert val["world_size"] == nproc and val["samples"] == VAL_SIZE
+    assert val["world_size"] == nproc and val["samples"] == TINY_VAL_SIZE
     train = read_metrics(out, "train")[-1]
     assert train["world_size"] == nproc
     assert train["img_per_s_per_rank"] * nproc == pytest.approx(train["img_per_s"])
@@ -92,15 +94,13 @@ def test_deprecated_launcher(tmp_path):
         "--nproc_per_node=2",
         f"--master_port={free_port()}",
         TRAIN_NET,
-        *FAST,
-        "OPTIM.MAX_EPOCH",
-        "1",
+        *TINY,
         "OUT_DIR",
         str(tmp_path),
     ]
     assert_ok(run(cmd))
     (val,) = read_metrics(str(tmp_path), "val")
-    assert val["world_size"] == 2 and val["samples"] == VAL_SIZE
+    assert val["world_size"] == 2 and val["samples"] == TINY_VAL_SIZE
 
 
 def test_original_override_line_with_syncbn_on_cpu(tmp_path):
