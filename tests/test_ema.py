@@ -71,6 +71,7 @@ def test_a_step_the_grad_scaler_skips_leaves_the_ema_alone():
     scaler.scale(model(torch.full((1, 3), float("inf"))).sum()).backward()
     assert not _optimizer_step(model, optimizer, scaler, 0.0)
     assert torch.equal(model.weight, before)  # GradScaler skipped the step
+    optimizer.zero_grad()
     scaler.scale(model(torch.ones(1, 3)).sum()).backward()
     assert _optimizer_step(model, optimizer, scaler, 0.0)
     ema.step()

@@ -73,7 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--steps", type=int, default=20, help="training steps per repeat")
     add("--repeats", type=int, default=5, help="repeats of every measurement")
     add("--precision", default="", help="TRAIN.MIXED_PRECISION: none|bf16|fp16")
-    add("--channels-last", action="store_true", help="MODEL.CHANNELS_LAST True")
+    add(
+        "--channels-last",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="MODEL.CHANNELS_LAST (default: the recipe's)",
+    )
     add("--compile", action="store_true", help="torch.compile both models")
     add("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     add("--ranks", type=int, default=1, help="processes of the start-up run")
@@ -206,8 +211,8 @@ def bench_cfg(args: argparse.Namespace, out_dir: str):
         ]
     if args.precision:
         opts += ["TRAIN.MIXED_PRECISION", args.precision]
-    if args.channels_last:
-        opts += ["MODEL.CHANNELS_LAST", "True"]
+    if args.channels_last is not None:
+        opts += ["MODEL.CHANNELS_LAST", str(args.channels_last)]
     if torch.cuda.is_available():
         opts[opts.index("DEVICE") + 1] = "cuda"
     return load_cfg(args.cfg or None, opts)
