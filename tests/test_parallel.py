@@ -144,10 +144,10 @@ def test_zero1_checkpoints_resume_on_2_and_on_1_process(tmp_path):
     assert all(r["train_samples"] == 96 for r in val)
 
 
-def test_fsdp_checkpoints_reshard_on_3_ranks_and_resume_on_1(tmp_path):
+def test_fsdp_checkpoints_resume_on_2_reshard_on_3_and_resume_on_1(tmp_path):
     """Sharded (DCP) checkpoints of FSDP with host offload, activation
-    checkpointing and bf16: saved on 2 ranks, resumed on 3, then on one plain
-    process."""
+    checkpointing and bf16: saved on 2 ranks, resumed on 2, then on 3, then on
+    one plain process."""
     out = str(tmp_path)
     fsdp = opts(
         "DIST.STRATEGY fsdp DIST.FSDP_CPU_OFFLOAD True MODEL.ACT_CKPT True "
@@ -162,14 +162,15 @@ def test_fsdp_checkpoints_reshard_on_3_ranks_and_resume_on_1(tmp_path):
     assert "model" not in state and state["sharded"] == "ckpt_ep_0001.dcp"
     # 32 validation images on 3 ranks in batches of 5: 3, 3 and 2 batches, and
     # every sharded forward is a collective (the last rank adds an empty one).
-    _resume(out, 3, 2, *fsdp, "TEST.BATCH_SIZE", "5")
-    _resume(out, 1, 3)
+    _resume(out, 2, 2, *fsdp)
+    _resume(out, 3, 3, *fsdp, "TEST.BATCH_SIZE", "5")
+    _resume(out, 1, 4)
     val = read_metrics(out, "val")
-    assert [r["epoch"] for r in val] == [1, 2, 3]
-    assert [r["world_size"] for r in val] == [2, 3, 1]
-    assert [r["samples"] for r in val] == [32, 32, 32]
+    assert [r["epoch"] for r in val] == [1, 2, 3, 4]
+    assert [r["world_size"] for r in val] == [2, 2, 3, 1]
+    assert [r["samples"] for r in val] == [32, 32, 32, 32]
     # The sharded checkpoint of 3 ranks reads whole, as every tool sees it.
-    whole = read_checkpoint(f"{out}/checkpoints/ckpt_ep_0002.pth")
+    whole = read_checkpoint(f"{out}/checkpoints/ckpt_ep_0003.pth")
     expected = build_model("resnet8", 10).state_dict()
     assert whole.weights.keys() == expected.keys()
     assert all(whole.weights[k].shape == v.shape for k, v in expected.items())
