@@ -152,8 +152,11 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
-def _optimizer_step(model, optimizer, scaler, clip_grad_norm: float) -> bool:
-    """Step (with loss scaling and clipping); False if the GradScaler skipped it.
+def _optimizer_step(
+    model, optimizer, scaler, clip_grad_norm: float, check_skip: bool = False
+) -> bool:
+    """Step (with loss scaling and clipping); with ``check_skip``, False if the
+    GradScaler skipped the step.
 
     The gradients stay until the next step's backward replaces them.
     """
@@ -161,11 +164,13 @@ def _optimizer_step(model, optimizer, scaler, clip_grad_norm: float) -> bool:
         scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
     # The scaler backs off (lowers its scale) exactly when it skips the step
-    # for non-finite gradients; reading it waits for the device, as step does.
-    scale = scaler.get_scale() if scaler.is_enabled() else 0.0
+    # for non-finite gradients. Reading the scale waits for the device, so it
+    # is read only when asked (the EMA must not average a skipped step).
+    check = check_skip and scaler.is_enabled()
+    scale = scaler.get_scale() if check else 0.0
     scaler.step(optimizer)
     scaler.update()
-    return not scaler.is_enabled() or scaler.get_scale() >= scale
+    return not check or scaler.get_scale() >= scale
 
 
 @dataclass
@@ -342,9 +347,10 @@ def _train_step(
                 run.optimizer.zero_grad(set_to_none=True)
             run.scaler.scale(loss / accum).backward()
         meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
-    stepped = _optimizer_step(model, run.optimizer, run.scaler, clip)
-    if stepped and run.ema is not None:
-        run.ema.step()
+    ema = run.ema
+    stepped = _optimizer_step(model, run.optimizer, run.scaler, clip, ema is not None)
+    if stepped and ema is not None:
+        ema.step()
     return data_time
 
 
@@ -570,12 +576,12 @@ def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
 
 def _load_training_state(
     model, optimizer, path: str, state: dict, ema: ModelEma | None
-) -> None:
-    """Load the model, optimizer and EMA of training checkpoint ``path``.
+) -> bool:
+    """Load the model, optimizer and EMA of training checkpoint ``path``; True
+    if it held an EMA to load.
 
     An FSDP model reads its own shards of a sharded checkpoint; anything else
-    reads whole weights (a sharded checkpoint's read whole first).  An EMA
-    the checkpoint lacks starts from the loaded weights.
+    reads whole weights (a sharded checkpoint's read whole first).
     """
     saved_ema = ema is not None and "ema_counters" in state
     if "sharded" in state and is_sharded(model):
@@ -583,9 +589,7 @@ def _load_training_state(
         load_sharded_state(model, optimizer, directory)
         if saved_ema:
             ema.load_shards(directory, state["ema_counters"])
-        elif ema is not None:
-            ema.reset()
-        return
+        return saved_ema
     if "sharded" in state:
         state = cp.load_full(path)
     load = functools.partial(load_model_state, model)
@@ -593,8 +597,7 @@ def _load_training_state(
     load_optimizer_state(model, optimizer, state["optimizer"])
     if saved_ema:
         ema.load(state["ema"], state["ema_counters"])
-    elif ema is not None:
-        ema.reset()
+    return saved_ema
 
 
 def _load_weights(cfg, model, optimizer) -> str:
@@ -637,7 +640,9 @@ def _resume_or_load(
         found = cp.find_resume_checkpoint(cfg.OUT_DIR)
         if found is not None:
             path, state = found
-            _load_training_state(model, optimizer, path, state, ema)
+            restored = _load_training_state(model, optimizer, path, state, ema)
+            if ema is not None and not restored:
+                ema.reset()  # an EMA the checkpoint lacks starts from its weights
             if state.get("scaler"):
                 scaler.load_state_dict(state["scaler"])
             progress = Progress(
