@@ -46,13 +46,14 @@ from PIL import Image
 from torch import nn
 from torchvision import transforms as classic
 
+from distribuuuu import optim
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_dataset, build_train_loader
 from distribuuuu.data.datasets import IMAGENET_MEAN, IMAGENET_STD
 from distribuuuu.distributed import LaunchInfo
 from distribuuuu.logger import PACKAGE_LOGGER, MetricsWriter, setup_logging
 from distribuuuu.models import build_model
-from distribuuuu.trainer import _build_run, evaluate, resolve_precision, train_epoch
+from distribuuuu.trainer import _build_run, evaluate, train_epoch
 
 TRAIN_NET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_net.py")
 # ImageNet's median photo is about 500 x 375 (4:3 landscape); the JPEGs of the
@@ -194,10 +195,12 @@ def make_batches(count: int, batch: int, im_size: int, classes: int) -> list:
     ]
 
 
-def bench_cfg(args: argparse.Namespace, out_dir: str):
-    """The frozen cfg of the measured recipe on synthetic data."""
-    opts = ["DATA.NAME", "synthetic", "OUT_DIR", out_dir, "DEVICE", "cpu"]
-    opts += ["DATA.SYNTHETIC_SIZE", "[64, 64]"]
+def recipe_opts(args: argparse.Namespace) -> list[str]:
+    """KEY VALUE words of the measured recipe on synthetic data (every side,
+    and the start-up run)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    opts = ["DATA.NAME", "synthetic", "DATA.SYNTHETIC_SIZE", "[64, 64]"]
+    opts += ["DEVICE", device]
     if args.model:
         opts += ["MODEL.ARCH", args.model]
     if args.im_size:
@@ -213,9 +216,12 @@ def bench_cfg(args: argparse.Namespace, out_dir: str):
         opts += ["TRAIN.MIXED_PRECISION", args.precision]
     if args.channels_last is not None:
         opts += ["MODEL.CHANNELS_LAST", str(args.channels_last)]
-    if torch.cuda.is_available():
-        opts[opts.index("DEVICE") + 1] = "cuda"
-    return load_cfg(args.cfg or None, opts)
+    return opts
+
+
+def bench_cfg(args: argparse.Namespace, out_dir: str):
+    """The frozen cfg of the measured recipe on synthetic data."""
+    return load_cfg(args.cfg or None, [*recipe_opts(args), "OUT_DIR", out_dir])
 
 
 def minimal_train(model: nn.Module, loader, cfg, amp_dtype, device) -> Callable:
@@ -224,23 +230,8 @@ def minimal_train(model: nn.Module, loader, cfg, amp_dtype, device) -> Callable:
     Its optimizer has the recipe's settings, so that the comparison measures
     the framework, not another optimizer.
     """
-    optim_cfg = cfg.OPTIM
-    if optim_cfg.OPTIMIZER == "adamw":
-        optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=optim_cfg.BASE_LR,
-            betas=tuple(optim_cfg.BETAS),
-            weight_decay=optim_cfg.WEIGHT_DECAY,
-        )
-    else:
-        optimizer = torch.optim.SGD(
-            model.parameters(),
-            lr=optim_cfg.BASE_LR,
-            momentum=optim_cfg.MOMENTUM,
-            dampening=optim_cfg.DAMPENING,
-            nesterov=optim_cfg.NESTEROV,
-            weight_decay=optim_cfg.WEIGHT_DECAY,
-        )
+    groups = optim.build_param_groups(model, cfg.OPTIM)
+    optimizer = optim.OPTIMIZERS[cfg.OPTIM.OPTIMIZER](groups, cfg.OPTIM)
     criterion = nn.CrossEntropyLoss()
 
     def repeat() -> float:
@@ -300,7 +291,7 @@ def bench_train_and_eval(args: argparse.Namespace, cfg, what: set[str]) -> dict:
         plain = build_model(cfg.MODEL.ARCH, classes).to(device)
         if cfg.MODEL.CHANNELS_LAST:
             plain = plain.to(memory_format=torch.channels_last)
-        amp_dtype, _ = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
+        amp_dtype = run.amp_dtype
         if args.compile:
             run.model, plain = torch.compile(run.model), torch.compile(plain)
 
@@ -414,11 +405,7 @@ def bench_startup(args: argparse.Namespace, work_dir: str) -> dict:
         cmd += ["--num-procs", str(args.ranks)]
     if args.cfg:
         cmd += ["--cfg", args.cfg]
-    cmd += ["DATA.NAME", "synthetic", "OUT_DIR", os.path.join(work_dir, "startup")]
-    cmd += ["MODEL.ARCH", args.model] if args.model else []
-    if args.im_size:
-        cmd += ["TRAIN.IM_SIZE", str(args.im_size), "TEST.IM_SIZE", str(args.im_size)]
-    cmd += ["TRAIN.BATCH_SIZE", str(args.batch)] if args.batch else []
+    cmd += [*recipe_opts(args), "OUT_DIR", os.path.join(work_dir, "startup")]
     env = dict(os.environ)
     if args.threads:  # torch reads it at start-up for its thread pool
         env["OMP_NUM_THREADS"] = str(args.threads)
