@@ -14,6 +14,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+from torchvision.transforms.v2.functional import pil_to_tensor
 
 try:  # torchvision 0.29 deprecates its image decoders in favour of TorchCodec
     from torchvision.io import ImageReadMode, decode_image
@@ -169,8 +170,7 @@ def decode_image_file(path: str) -> torch.Tensor:
                 return image
         except (RuntimeError, ValueError):
             pass  # not a format torchvision decodes, or damaged: PIL decides
-    image = load_image(path)
-    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
+    return pil_to_tensor(load_image(path))
 
 
 def _holds_image(directory: str) -> bool:
