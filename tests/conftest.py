@@ -21,9 +21,20 @@ TRAIN_NET = os.path.join(REPO, "tools", "train_net.py")
 FAST = ["MODEL.ARCH", "resnet8", "TRAIN.PRINT_FREQ", "20"]
 # One epoch of LeNet-5 on 256 synthetic images, validated on 101 (divisible by
 # neither 2 nor 3): for tests of how a job starts, where the data do not matter.
-TINY = "MODEL.ARCH lenet5 DATA.NAME synthetic DATA.SYNTHETIC_SIZE [256,101] "
-TINY += "TRAIN.BATCH_SIZE 32 OPTIM.MAX_EPOCH 1 TRAIN.PRINT_FREQ 2"
-TINY = TINY.split()
+TINY = [
+    "MODEL.ARCH",
+    "lenet5",
+    "DATA.NAME",
+    "synthetic",
+    "DATA.SYNTHETIC_SIZE",
+    "[256,101]",
+    "TRAIN.BATCH_SIZE",
+    "32",
+    "OPTIM.MAX_EPOCH",
+    "1",
+    "TRAIN.PRINT_FREQ",
+    "2",
+]
 TINY_VAL_SIZE = 101
 
 

@@ -91,8 +91,8 @@ def _sigkill_then_rerun_matches_uninterrupted(tmp_path, nproc: int, tear: bool):
     args = [*one_epoch, "OUT_DIR", killed]
     pattern = "ckpt_ep_0000_it_002*.pth"
     _kill_mid_run(nproc, args, killed, pattern, "ckpt_ep_0001.pth", 2)
-    newest = sorted(glob.glob(os.path.join(killed, "checkpoints", "ckpt_*.pth")))[-1]
     if tear:
+        newest = max(glob.glob(os.path.join(killed, "checkpoints", "ckpt_*.pth")))
         with open(newest, "r+b") as f:
             f.truncate(os.path.getsize(newest) // 2)
     rerun = launch(*args)
