@@ -113,8 +113,9 @@ _C.DATA.RANDAUG_N = 2
 # RandAugment: magnitude of every operation on torchvision's scale of 0-30 (its
 # default)
 _C.DATA.RANDAUG_M = 9
-# Probability of random erasing of a training image, after normalisation (0 =
-# off; DeiT uses 0.25)
+# Probability of random erasing of a training image, in the data set's mean
+# colour, as torchvision's reference erases with 0 after normalisation (0 = off;
+# DeiT uses 0.25)
 _C.DATA.RANDOM_ERASING = 0.0
 # Repeated augmentation: each sample of an epoch appears this many times, with a
 # different augmentation each time, on different processes; the epoch keeps its

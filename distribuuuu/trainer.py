@@ -25,7 +25,12 @@ from distribuuuu import checkpoint as cp
 from distribuuuu import distributed as du
 from distribuuuu import optim, reports
 from distribuuuu.config import dump_cfg, flat_cfg
-from distribuuuu.data import build_dataset, build_test_loader, build_train_loader
+from distribuuuu.data import (
+    build_dataset,
+    build_normalizer,
+    build_test_loader,
+    build_train_loader,
+)
 from distribuuuu.ema import ModelEma
 from distribuuuu.logger import (
     STATUS_LINE,
@@ -207,6 +212,7 @@ class TrainState:
     scaler: torch.amp.GradScaler
     amp_dtype: torch.dtype | None  # autocast dtype; None = full precision
     device: torch.device
+    normalize: nn.Module  # uint8 batches on ``device`` -> the model's input
     plan: BatchPlan
     progress: Progress
     clock: RunClock
@@ -329,7 +335,7 @@ def _train_step(
         tic = time.perf_counter()
         images, targets = next(batches)
         data_time += time.perf_counter() - tic
-        images = images.to(device, non_blocking=True)
+        images = run.normalize(images.to(device, non_blocking=True))
         targets = targets.to(device, non_blocking=True)
         seed = mix_seed(progress.seed, progress.epoch, first + micro * stride)
         images, targets, loss_targets = loss_fn.mix(images, targets, seed)
@@ -484,6 +490,7 @@ def evaluate(
     model: nn.Module,
     loader: DataLoader,
     device: torch.device,
+    normalize: nn.Module,
     topk: int,
     num_classes: int,
     print_freq: int,
@@ -492,9 +499,10 @@ def evaluate(
 ) -> tuple[dict, torch.Tensor]:
     """Exact evaluation: every sample once, sums reduced over all processes.
 
-    Returns loss (mean), top1 and topk (percent) and the number of samples,
-    and the confusion matrix (on the CPU).  ``max_iters`` stops early (a
-    check, not an evaluation).
+    ``normalize`` turns the loader's uint8 batches, moved to ``device``, into
+    the model's input.  Returns loss (mean), top1 and topk (percent) and the
+    number of samples, and the confusion matrix (on the CPU).  ``max_iters``
+    stops early (a check, not an evaluation).
     """
     broadcast_buffers(model)
     model = unwrap_model(model)  # ranks may run different numbers of batches
@@ -508,7 +516,7 @@ def evaluate(
     for it, (images, targets) in enumerate(loader):
         if it == iters:
             break
-        images = images.to(device, non_blocking=True)
+        images = normalize(images.to(device, non_blocking=True))
         targets = targets.to(device, non_blocking=True)
         with _autocast(device, amp_dtype):
             logits = model(images)
@@ -522,7 +530,7 @@ def evaluate(
             logger.info("eval it %d/%d", it + 1, iters)
     if missing:  # a sharded forward is a collective: run as often as the rest
         image = loader.dataset[0][0]
-        empty = image.new_empty((0, *image.shape)).to(device)
+        empty = normalize(image.new_empty((0, *image.shape)).to(device))
         for _ in range(missing):
             with _autocast(device, amp_dtype):
                 model(empty)
@@ -741,6 +749,7 @@ def dry_run(cfg: CfgNode) -> dict:
             run.model,
             val_loader,
             device,
+            run.normalize,
             topk,
             cfg.MODEL.NUM_CLASSES,
             cfg.TEST.PRINT_FREQ,
@@ -786,11 +795,13 @@ def _build_run(
         blocks = enable_activation_checkpointing(model)
         logger.info("activation checkpointing: %d blocks recompute", blocks)
     amp_dtype, use_scaler = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
-    if cfg.MODEL.CHANNELS_LAST and cfg.DIST.STRATEGY == "fsdp":
+    channels_last = cfg.MODEL.CHANNELS_LAST and cfg.DIST.STRATEGY != "fsdp"
+    if cfg.MODEL.CHANNELS_LAST and not channels_last:
         logger.info("channels-last: off under FSDP, which shards contiguous tensors")
-    elif cfg.MODEL.CHANNELS_LAST:
+    elif channels_last:
         # Convolutions give outputs in the layout of their weights, so the whole
-        # network runs channels-last whatever the layout of the input batch.
+        # network runs channels-last; the normaliser writes the input batches
+        # in that layout too, which saves the first convolution a copy.
         model = model.to(memory_format=torch.channels_last)
     model = wrap_model(
         model,
@@ -825,8 +836,9 @@ def _build_run(
         cfg.OPTIM.MAX_EPOCH * steps_per_epoch,
         progress.epoch * steps_per_epoch + progress.consumed // plan.global_batch,
     )
-    run = TrainState(model, optimizer, scaler, amp_dtype, device, plan, progress,
-                     clock, writer, list(train_set.classes), ema)  # fmt: skip
+    normalize = build_normalizer(cfg, device, channels_last)
+    run = TrainState(model, optimizer, scaler, amp_dtype, device, normalize, plan,
+                     progress, clock, writer, list(train_set.classes), ema)  # fmt: skip
     report = {
         "versions": reports.versions(),
         "world": reports.world_layout(info, device),
@@ -860,13 +872,14 @@ def _build_run(
 
 
 def _log_training_images(writer: MetricsWriter, dataset, seed: int) -> None:
-    """Log a grid of 16 augmented training images (spread over the data set)."""
+    """Log a grid of 16 augmented training images (spread over the data set),
+    as the model sees them before normalisation."""
     indices = torch.linspace(0, len(dataset) - 1, min(16, len(dataset))).long()
     with torch.random.fork_rng(devices=[]):  # leave the run's RNG as it was
         torch.manual_seed(seed)
-        images = torch.stack([dataset[int(i)][0] for i in indices]).float()
-    grid = torchvision.utils.make_grid(images, nrow=8, normalize=True, scale_each=True)
-    pixels = (grid.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+        images = torch.stack([dataset[int(i)][0] for i in indices])
+    grid = torchvision.utils.make_grid(images, nrow=8)
+    pixels = grid.permute(1, 2, 0).numpy()
     writer.image("train/augmented_images", pixels)
 
 
@@ -932,7 +945,9 @@ def _recompute_bn(cfg: CfgNode, run: TrainState, loader: DataLoader) -> None:
     trained (the same batches after a resume)."""
     loader.sampler.set_epoch(run.progress.epoch - 1)
     batches = itertools.islice(loader, cfg.TRAIN.PRECISE_BN)
-    images = (batch[0].to(run.device, non_blocking=True) for batch in batches)
+    images = (
+        run.normalize(batch[0].to(run.device, non_blocking=True)) for batch in batches
+    )
     with _autocast(run.device, run.amp_dtype):
         count = recompute_bn_statistics(unwrap_model(run.model), images)
     if count:  # 0: no BatchNorm layers
@@ -960,6 +975,7 @@ def _evaluate_epoch(
         run.model,
         val_loader,
         run.device,
+        run.normalize,
         min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES),
         cfg.MODEL.NUM_CLASSES,
         cfg.TEST.PRINT_FREQ,
@@ -1074,6 +1090,7 @@ def test_model(cfg: CfgNode) -> dict:
             model,
             loader,
             device,
+            build_normalizer(cfg, device),
             topk,
             cfg.MODEL.NUM_CLASSES,
             cfg.TEST.PRINT_FREQ,

@@ -18,7 +18,7 @@ import torchvision
 from conftest import FAST, REPO, assert_ok, read_metrics, run, train_net
 from PIL import Image
 
-from distribuuuu.data import build_dataset
+from distribuuuu.data import build_dataset, build_normalizer
 from distribuuuu.data.datasets import load_mnist5k
 from distribuuuu.inference import (
     build_inference_model,
@@ -185,6 +185,7 @@ def test_export_trained_checkpoint(trained: Path, tmp_path: Path):
     assert all(t.device.type == "cpu" and t.is_contiguous() for t in state.values())
     plain.load_state_dict(state)
     images = torch.stack([build_dataset(cfg, train=False)[i][0] for i in range(8)])
+    images = build_normalizer(cfg, torch.device("cpu"))(images)
     with torch.no_grad():
         expected = model(images)
         assert torch.equal(plain.eval()(images), expected)
@@ -253,12 +254,14 @@ def digit_files(trained: Path, tmp_path_factory) -> dict[str, tuple[int, torch.T
     (folder / "README.txt").write_text("not an image\n")
     model, cfg = reference(trained / "best.pth")
     dataset = build_dataset(cfg, train=False)
+    normalize = build_normalizer(cfg, torch.device("cpu"))
     images, labels = load_mnist5k(train=False)
     files = {}
     for digit in DIGITS:
         for index in (labels == digit).nonzero().flatten().tolist():
             with torch.no_grad():
-                probabilities = model(dataset[index][0][None]).softmax(dim=1)[0]
+                batch = normalize(dataset[index][0][None])
+                probabilities = model(batch).softmax(dim=1)[0]
             if probabilities.argmax() == digit:
                 break
         path = folder / ("odd" if digit % 2 else "") / f"digit_{digit}.png"

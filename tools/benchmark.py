@@ -11,9 +11,11 @@ Four measurements, printed as a table and written as JSON (``--out``):
   a minimal loop (forward, loss, zero_grad, backward, step, ``loss.item()``
   every step) on the same model, batches and threads;
 * data pipeline: img/s of our ImageFolder loader (decode and train
-  transforms) beside ``torchvision.datasets.ImageFolder`` with the classic
-  PIL transforms, at the same worker count and batch, on a folder of
-  ImageNet-sized JPEGs that the tool writes first;
+  transforms in the workers, then the normalisation that the trainer does on
+  the device, here the CPU of this process) beside
+  ``torchvision.datasets.ImageFolder`` with the classic PIL transforms, at
+  the same worker count and batch, on a folder of ImageNet-sized JPEGs that
+  the tool writes first;
 * eval: img/s of ``trainer.evaluate`` beside a minimal no-grad loop;
 * start-up: seconds of ``train_net.py --dry-run`` from launch to exit (build,
   one training step, one evaluation batch).
@@ -48,7 +50,7 @@ from torchvision import transforms as classic
 
 from distribuuuu import optim
 from distribuuuu.config import load_cfg
-from distribuuuu.data import build_dataset, build_train_loader
+from distribuuuu.data import build_dataset, build_normalizer, build_train_loader
 from distribuuuu.data.datasets import IMAGENET_MEAN, IMAGENET_STD
 from distribuuuu.distributed import LaunchInfo
 from distribuuuu.logger import PACKAGE_LOGGER, MetricsWriter, setup_logging
@@ -84,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     add("--ranks", type=int, default=1, help="processes of the start-up run")
     add("--workers", type=int, default=2, help="data loader workers")
-    add("--data-images", type=int, default=256, help="JPEGs in the data folder")
+    add("--data-images", type=int, default=1024, help="JPEGs in the data folder")
     add("--data-im-size", type=int, default=224, help="crop of the data pipeline")
     add("--data-batch", type=int, default=32, help="batch of the data pipeline")
     add("--only", default="train,data,eval,startup", help="what to measure")
@@ -184,11 +186,12 @@ class InMemoryLoader:
 
 
 def make_batches(count: int, batch: int, im_size: int, classes: int) -> list:
-    """``count`` batches of normalized-looking random images and labels."""
+    """``count`` batches of random uint8 images and labels, as loaders give them."""
     generator = torch.Generator().manual_seed(0)
+    shape = (batch, 3, im_size, im_size)
     return [
         (
-            torch.randn(batch, 3, im_size, im_size, generator=generator),
+            torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator),
             torch.randint(classes, (batch,), generator=generator),
         )
         for _ in range(count)
@@ -286,6 +289,11 @@ def bench_train_and_eval(args: argparse.Namespace, cfg, what: set[str]) -> dict:
     classes, batch = cfg.MODEL.NUM_CLASSES, cfg.TRAIN.BATCH_SIZE
     batches = make_batches(4, batch, cfg.TRAIN.IM_SIZE, classes)
     loader = InMemoryLoader(batches, args.steps)
+    # The minimal loops get the batches normalised beforehand, as a loader of
+    # float images would give them; ours normalises them in its step.
+    normalize = build_normalizer(cfg, torch.device("cpu"))
+    floats = [(normalize(images), targets) for images, targets in batches]
+    float_loader = InMemoryLoader(floats, args.steps)
     with quiet_run(cfg) as run:
         device = run.device
         plain = build_model(cfg.MODEL.ARCH, classes).to(device)
@@ -302,17 +310,18 @@ def bench_train_and_eval(args: argparse.Namespace, cfg, what: set[str]) -> dict:
 
         def ours_eval() -> int:
             topk = min(cfg.TRAIN.TOPK, classes)
-            evaluate(run.model, loader, device, topk, classes, 10**9, amp_dtype)
+            evaluate(run.model, loader, device, run.normalize, topk, classes,
+                     10**9, amp_dtype)  # fmt: skip
             return args.steps * batch
 
         if "train" in what:
             sides = {"ours": ours_train, "minimal": minimal_train(
-                plain, loader, cfg, amp_dtype, device)}  # fmt: skip
+                plain, float_loader, cfg, amp_dtype, device)}  # fmt: skip
             interleave(sides, 1)  # warm-up: allocator, caches, compilation
             results["train_step"] = interleave(sides, args.repeats)
         if "eval" in what:
             sides = {"ours": ours_eval, "minimal": minimal_eval(
-                plain, loader, amp_dtype, device)}  # fmt: skip
+                plain, float_loader, amp_dtype, device)}  # fmt: skip
             interleave(sides, 1)
             results["eval"] = interleave(sides, args.repeats)
     return results
@@ -360,7 +369,8 @@ def reference_loader(root: str, im_size: int, batch: int, workers: int):
 
 
 def our_loader(args: argparse.Namespace, root: str):
-    """Our training loader of the folder ``root``/train, as a run builds it."""
+    """Our training loader of the folder ``root``/train, as a run builds it on
+    the CPU, and the normaliser of its batches."""
     size = args.data_im_size
     opts = ["DATA.NAME", "imagefolder", "TRAIN.DATASET", root, "TEST.DATASET", root]
     opts += ["TRAIN.IM_SIZE", str(size), "TEST.IM_SIZE", str(size)]
@@ -368,32 +378,29 @@ def our_loader(args: argparse.Namespace, root: str):
     cfg = load_cfg(None, opts + ["TEST.SPLIT", "train", "DEVICE", "cpu"])
     dataset = build_dataset(cfg, train=True)
     device = torch.device("cpu")
-    return build_train_loader(cfg, dataset, 0, 1, 0, device, args.data_batch)
+    loader = build_train_loader(cfg, dataset, 0, 1, 0, device, args.data_batch)
+    return loader, build_normalizer(cfg, device)
 
 
 def bench_data(args: argparse.Namespace, work_dir: str) -> dict:
     """The data-pipeline measurement: img/s of one epoch of each loader."""
     root = os.path.join(work_dir, "jpegs")
     write_jpeg_folder(os.path.join(root, "train"), args.data_images)
-    ours = our_loader(args, root)
+    ours, normalize = our_loader(args, root)
     reference = reference_loader(
         os.path.join(root, "train"), args.data_im_size, args.data_batch, args.workers
     )
     epoch = [0]
 
-    def one_epoch(loader, set_epoch: bool) -> int:
-        if set_epoch:
-            loader.sampler.set_epoch(epoch[0])
-            epoch[0] += 1
-        images = 0
-        for batch, _ in loader:
-            images += len(batch)
-        return images
+    def ours_epoch() -> int:
+        ours.sampler.set_epoch(epoch[0])
+        epoch[0] += 1
+        return sum(len(normalize(batch)) for batch, _ in ours)
 
-    sides = {
-        "ours": lambda: one_epoch(ours, True),
-        "torchvision": lambda: one_epoch(reference, False),
-    }
+    def reference_epoch() -> int:
+        return sum(len(batch) for batch, _ in reference)
+
+    sides = {"ours": ours_epoch, "torchvision": reference_epoch}
     interleave(sides, 1)  # starts the persistent workers
     return interleave(sides, args.repeats)
 

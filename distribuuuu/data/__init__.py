@@ -14,6 +14,7 @@ from distribuuuu.data import datasets as ds
 from distribuuuu.data.datasets import DataError
 from distribuuuu.data.samplers import ExactShardSampler, ResumableTrainSampler
 from distribuuuu.data.transforms import (
+    ToNormalizedFloat,
     auto_augment,
     imagenet_transforms,
     small_image_transforms,
@@ -22,6 +23,7 @@ from distribuuuu.data.transforms import (
 __all__ = [
     "DataError",
     "build_dataset",
+    "build_normalizer",
     "build_test_transform",
     "build_train_loader",
     "build_test_loader",
@@ -51,24 +53,39 @@ def _train_augment(cfg: CfgNode, name: str) -> tuple[v2.Transform | None, float]
     return augment, data.RANDOM_ERASING
 
 
-def _transform(cfg: CfgNode, name: str, train: bool) -> v2.Compose:
-    """The train or eval transform of data set ``name`` (images as it serves them)."""
+def _statistics(name: str) -> tuple[tuple, tuple]:
+    """Per-channel mean and std (of pixels scaled to 0-1) of data set ``name``."""
+    if name in _SMALL_IMAGES:
+        return _SMALL_IMAGES[name][1:3]
+    return ds.IMAGENET_MEAN, ds.IMAGENET_STD
+
+
+def _transform(cfg: CfgNode, name: str, train: bool) -> v2.Transform:
+    """The train or eval transform of data set ``name`` (images as it serves
+    them, to uint8 tensors)."""
     size = cfg.TRAIN.IM_SIZE
     augment, erasing = _train_augment(cfg, name) if train else (None, 0.0)
+    mean, _ = _statistics(name)
     if name == "imagefolder":
-        mean, std = ds.IMAGENET_MEAN, ds.IMAGENET_STD
         test_size = cfg.TEST.IM_SIZE
-        return imagenet_transforms(train, size, test_size, mean, std, augment, erasing)
-    native, mean, std, flip = _SMALL_IMAGES.get(
-        name, (size, ds.IMAGENET_MEAN, ds.IMAGENET_STD, True)
-    )
-    return small_image_transforms(
-        train, size, native, mean, std, flip, augment, erasing
-    )
+        return imagenet_transforms(train, size, test_size, mean, augment, erasing)
+    native, _, _, flip = _SMALL_IMAGES.get(name, (size, None, None, True))
+    return small_image_transforms(train, size, native, mean, flip, augment, erasing)
+
+
+def build_normalizer(
+    cfg: CfgNode, device: torch.device, channels_last: bool = False
+) -> ToNormalizedFloat:
+    """The input step after the data set, on ``device``: its uint8 images (one,
+    or a batch) as float32 normalised with the data set's mean and std,
+    optionally channels-last."""
+    mean, std = _statistics(resolve_data_name(cfg))
+    return ToNormalizedFloat(mean, std, channels_last).to(device)
 
 
 def build_test_transform(cfg: CfgNode) -> v2.Compose:
-    """The evaluation transform of cfg's data set for an RGB PIL image of any size.
+    """The whole evaluation input pipeline of cfg's data set for one RGB PIL
+    image of any size, normalisation included.
 
     For the data sets served as small tensors (digits, CIFAR, synthetic) the
     image is first resized and centre-cropped to TRAIN.IM_SIZE, which leaves
@@ -76,12 +93,13 @@ def build_test_transform(cfg: CfgNode) -> v2.Compose:
     channels, as the data sets serve them.
     """
     name = resolve_data_name(cfg)
-    transform = _transform(cfg, name, train=False)
-    if name == "imagefolder":
-        return transform
-    size = cfg.TRAIN.IM_SIZE
-    resize = [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
-    return v2.Compose([v2.PILToTensor(), *resize, transform])
+    cpu = torch.device("cpu")
+    steps = [_transform(cfg, name, train=False), build_normalizer(cfg, cpu)]
+    if name != "imagefolder":
+        size = cfg.TRAIN.IM_SIZE
+        fit = [v2.PILToTensor(), v2.Resize(size, antialias=True), v2.CenterCrop(size)]
+        steps = fit + steps
+    return v2.Compose(steps)
 
 
 def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
