@@ -16,6 +16,7 @@ from distribuuuu.data import (
     build_test_loader,
     build_test_transform,
     build_train_loader,
+    image_reader,
 )
 from distribuuuu.data.datasets import (
     IMAGENET_MEAN,
@@ -241,6 +242,19 @@ def test_tensor_decoder_draws_the_same_augmentation_as_pil(tmp_path):
     val_fast = build_dataset(tensor_cfg, train=False)[1][0]
     val_classic = build_dataset(pil_cfg, train=False)[1][0]
     assert (val_fast.float() - val_classic.float()).abs().mean() < 1.2
+
+
+@pytest.mark.parametrize("decoder", ["tensor", "pil"])
+def test_predict_pipeline_gives_the_evaluation_input(tmp_path, decoder):
+    """A file read and transformed for prediction is the model input of its
+    evaluation, bit for bit, with either decoder."""
+    _jpeg_folder(tmp_path / "train")
+    cfg = _folder_cfg(tmp_path, decoder)
+    val_set = build_dataset(cfg, train=False)
+    normalize = build_normalizer(cfg, torch.device("cpu"))
+    read, transform = image_reader(cfg), build_test_transform(cfg)
+    for (path, _), (image, _) in zip(val_set.samples, val_set):
+        assert torch.equal(transform(read(path)), normalize(image))
 
 
 def test_tensor_decoder_reads_other_formats_and_names_a_damaged_file(tmp_path):

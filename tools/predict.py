@@ -28,8 +28,7 @@ from torch import nn
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from distribuuuu.config import ConfigError
-from distribuuuu.data import DataError, build_test_transform
-from distribuuuu.data.datasets import load_image
+from distribuuuu.data import DataError, build_test_transform, image_reader
 from distribuuuu.inference import CheckpointError, load_for_inference
 
 # A config key on the command line: MODEL.ARCH, OUT_DIR, TRAIN.IM_SIZE, ...
@@ -133,9 +132,9 @@ def run(args: argparse.Namespace) -> None:
     paths = find_images(args.inputs)
     device = torch.device(args.device)
     model.to(device)
-    transform = build_test_transform(cfg)
+    read, transform = image_reader(cfg), build_test_transform(cfg)
     for chunk in batches(paths, args.batch_size):
-        images = torch.stack([transform(load_image(path)) for path in chunk])
+        images = torch.stack([transform(read(path)) for path in chunk])
         probabilities, labels = predict(model, images.to(device), args.topk)
         for path, probs, ids in zip(chunk, probabilities.tolist(), labels.tolist()):
             top = [(classes[i], p) for i, p in zip(ids, probs)]

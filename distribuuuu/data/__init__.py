@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 from yacs.config import CfgNode
@@ -28,6 +30,7 @@ __all__ = [
     "build_train_loader",
     "build_test_loader",
     "check_data",
+    "image_reader",
 ]
 
 
@@ -83,9 +86,15 @@ def build_normalizer(
     return ToNormalizedFloat(mean, std, channels_last).to(device)
 
 
+def image_reader(cfg: CfgNode) -> Callable[[str], torch.Tensor | Image.Image]:
+    """What reads an image file for cfg (DATA.DECODER): a uint8 tensor from
+    ``torchvision.io`` or an RGB PIL image; a DataError names a damaged file."""
+    return ds.decode_image_file if cfg.DATA.DECODER == "tensor" else ds.load_image
+
+
 def build_test_transform(cfg: CfgNode) -> v2.Compose:
-    """The whole evaluation input pipeline of cfg's data set for one RGB PIL
-    image of any size, normalisation included.
+    """The whole evaluation input pipeline of cfg's data set for one image of
+    any size as :func:`image_reader` gives it, normalisation included.
 
     For the data sets served as small tensors (digits, CIFAR, synthetic) the
     image is first resized and centre-cropped to TRAIN.IM_SIZE, which leaves
@@ -116,8 +125,7 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
         return ds.TensorImageDataset(images, labels, classes, transform)
     if name == "imagefolder":
         path, key = _image_folder(cfg, train)
-        loader = ds.decode_image_file if cfg.DATA.DECODER == "tensor" else ds.load_image
-        dataset = ds.CheckedImageFolder(path, transform, key, loader)
+        dataset = ds.CheckedImageFolder(path, transform, key, image_reader(cfg))
         _check_class_count(key, path, len(dataset.classes), cfg.MODEL.NUM_CLASSES)
         return ds.SkipUnreadable(dataset) if cfg.DATA.SKIP_CORRUPT else dataset
     if name == "synthetic":
