@@ -279,8 +279,11 @@ def quiet_run(cfg) -> Iterator:
     info = LaunchInfo("none", 0, 1, 0, 1, "127.0.0.1", 0)
     device = torch.device(cfg.DEVICE)
     writer = MetricsWriter(cfg.OUT_DIR, enabled=False)
-    run, _, _ = _build_run(cfg, info, device, writer)
-    yield run
+    try:
+        run, _, _ = _build_run(cfg, info, device, writer)
+        yield run
+    finally:
+        setup_logging(None, 1)  # closes the log file; no handler is left
 
 
 def bench_train_and_eval(args: argparse.Namespace, cfg, what: set[str]) -> dict:
