@@ -186,3 +186,23 @@ def test_confusion_matrix_counts_pairs():
     assert counts.tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
     assert per_class_top1(counts) == [100.0, 100.0, 50.0]
     assert per_class_top1(torch.zeros(2, 2, dtype=torch.int64)) == [None, None]
+
+
+def test_image_grid_shows_the_augmented_training_images():
+    """The tensorboard grid holds the training images as the model gets them
+    before normalisation: the first tile is sample 0 under the run's seed."""
+    from distribuuuu.config import load_cfg
+    from distribuuuu.data import build_dataset
+    from distribuuuu.trainer import _log_training_images
+
+    class Capture:
+        def image(self, tag: str, pixels) -> None:
+            self.tag, self.pixels = tag, pixels
+
+    dataset = build_dataset(load_cfg(), train=True)
+    writer = Capture()
+    _log_training_images(writer, dataset, seed=3)
+    torch.manual_seed(3)
+    first = dataset[0][0].permute(1, 2, 0).numpy()
+    assert writer.pixels.shape == (2 + 2 * 30, 2 + 8 * 30, 3)  # 2 rows of 8, padded
+    assert (writer.pixels[2:30, 2:30] == first).all()
