@@ -212,7 +212,7 @@ class TrainState:
     scaler: torch.amp.GradScaler
     amp_dtype: torch.dtype | None  # autocast dtype; None = full precision
     device: torch.device
-    normalize: nn.Module  # uint8 batches on ``device`` -> the model's input
+    normalize: nn.Module  # uint8 batches -> the model's input on ``device``
     plan: BatchPlan
     progress: Progress
     clock: RunClock
@@ -335,7 +335,7 @@ def _train_step(
         tic = time.perf_counter()
         images, targets = next(batches)
         data_time += time.perf_counter() - tic
-        images = run.normalize(images.to(device, non_blocking=True))
+        images = run.normalize(images)
         targets = targets.to(device, non_blocking=True)
         seed = mix_seed(progress.seed, progress.epoch, first + micro * stride)
         images, targets, loss_targets = loss_fn.mix(images, targets, seed)
@@ -499,8 +499,8 @@ def evaluate(
 ) -> tuple[dict, torch.Tensor]:
     """Exact evaluation: every sample once, sums reduced over all processes.
 
-    ``normalize`` turns the loader's uint8 batches, moved to ``device``, into
-    the model's input.  Returns loss (mean), top1 and topk (percent) and the
+    ``normalize`` turns the loader's uint8 batches into the model's input on
+    ``device``.  Returns loss (mean), top1 and topk (percent) and the
     number of samples, and the confusion matrix (on the CPU).  ``max_iters``
     stops early (a check, not an evaluation).
     """
@@ -516,7 +516,7 @@ def evaluate(
     for it, (images, targets) in enumerate(loader):
         if it == iters:
             break
-        images = normalize(images.to(device, non_blocking=True))
+        images = normalize(images)
         targets = targets.to(device, non_blocking=True)
         with _autocast(device, amp_dtype):
             logits = model(images)
@@ -530,7 +530,7 @@ def evaluate(
             logger.info("eval it %d/%d", it + 1, iters)
     if missing:  # a sharded forward is a collective: run as often as the rest
         image = loader.dataset[0][0]
-        empty = normalize(image.new_empty((0, *image.shape)).to(device))
+        empty = normalize(image.new_empty((0, *image.shape)))
         for _ in range(missing):
             with _autocast(device, amp_dtype):
                 model(empty)
@@ -945,9 +945,7 @@ def _recompute_bn(cfg: CfgNode, run: TrainState, loader: DataLoader) -> None:
     trained (the same batches after a resume)."""
     loader.sampler.set_epoch(run.progress.epoch - 1)
     batches = itertools.islice(loader, cfg.TRAIN.PRECISE_BN)
-    images = (
-        run.normalize(batch[0].to(run.device, non_blocking=True)) for batch in batches
-    )
+    images = (run.normalize(batch[0]) for batch in batches)
     with _autocast(run.device, run.amp_dtype):
         count = recompute_bn_statistics(unwrap_model(run.model), images)
     if count:  # 0: no BatchNorm layers

@@ -79,9 +79,9 @@ def _transform(cfg: CfgNode, name: str, train: bool) -> v2.Transform:
 def build_normalizer(
     cfg: CfgNode, device: torch.device, channels_last: bool = False
 ) -> ToNormalizedFloat:
-    """The input step after the data set, on ``device``: its uint8 images (one,
-    or a batch) as float32 normalised with the data set's mean and std,
-    optionally channels-last."""
+    """The input step after the data set: its uint8 images (one, or a batch)
+    copied to ``device`` as float32 normalised with the data set's mean and
+    std, optionally channels-last."""
     mean, std = _statistics(resolve_data_name(cfg))
     return ToNormalizedFloat(mean, std, channels_last).to(device)
 

@@ -33,16 +33,18 @@ def auto_augment(
 
 class ToNormalizedFloat(torch.nn.Module):
     """uint8 images (C x H x W, or a batch N x C x H x W) as float32
-    ``(x / 255 - mean) / std``: the last step of the input pipeline.
+    ``(x / 255 - mean) / std`` on the device of the module (``.to(device)``):
+    the last step of the input pipeline.
 
-    The data sets serve uint8 images and the trainer applies this to each
-    batch on the device (``.to(device)`` first): a quarter of the bytes
-    between the loader's workers and the main process, and over PCIe, and no
-    float work in the workers (timm's ``PrefetchLoader`` normalises on the GPU
-    for the same reasons).  One conversion and two in-place passes give what
-    ``v2.ToDtype(torch.float32, scale=True)`` then ``v2.Normalize(mean, std)``
-    give, up to float rounding.  With ``channels_last`` a batch comes out in
-    that layout, which a channels-last model would otherwise copy it into.
+    The data sets serve uint8 images and the trainer passes each batch through
+    this, which copies it to the device (non-blocking) and normalises it
+    there: a quarter of the bytes between the loader's workers and the main
+    process, and over PCIe, and no float work in the workers (timm's
+    ``PrefetchLoader`` normalises on the GPU for the same reasons).  One
+    conversion and two in-place passes give what ``v2.ToDtype(torch.float32,
+    scale=True)`` then ``v2.Normalize(mean, std)`` give, up to float rounding.
+    With ``channels_last`` a batch comes out in that layout, which a
+    channels-last model would otherwise copy it into.
     """
 
     def __init__(self, mean: tuple, std: tuple, channels_last: bool = False):
@@ -56,6 +58,7 @@ class ToNormalizedFloat(torch.nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype != torch.uint8:
             raise TypeError(f"expected uint8 images, got {images.dtype}")
+        images = images.to(self.shift.device, non_blocking=True)
         layout = torch.preserve_format
         if self.channels_last and images.dim() == 4:
             layout = torch.channels_last
