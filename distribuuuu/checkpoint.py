@@ -16,22 +16,35 @@ fsynced and renamed into place; ``last`` moves only after that.  Loading uses
 Under DIST.STRATEGY fsdp the model and optimizer are not gathered: every rank
 writes its shards with ``torch.distributed.checkpoint`` (DCP) into a ``.dcp``
 directory beside the ``.pth``, which then holds the rest of the state and
-``"sharded"``: the directory's name.  DCP re-shards on load, so such a
-checkpoint resumes on any world size; :func:`load_full` reads it whole for
-any other use (DDP resume, export, inspection).  DCP reads its ``.metadata``
-file with ``pickle``; :func:`_check_dcp_metadata` first refuses one that
-would build anything but DCP's own metadata classes.
+``"sharded"``: the directory's name (a plain name in the same folder, never a
+path), and ``"sharded_files"``: the size and SHA-256 of every file in it.  DCP
+re-shards on load, so such a checkpoint resumes on any world size;
+:func:`load_full` reads it whole for any other use (DDP resume, export,
+inspection).
+
+Every file is untrusted input.  DCP itself unpickles its ``.metadata`` and the
+non-tensor items of its shards with ``pickle`` and ``weights_only=False``; we
+never let it: :class:`SafeShardReader` reads the metadata with an unpickler
+that builds exact ``(module, name)`` pairs of DCP's metadata classes only and
+checks every entry against the files on disk, and :class:`SafeLoadPlanner`
+loads non-tensor items weights-only.  A file that would build anything else
+raises :class:`RefusedCheckpointError`; one that is torn, truncated or fails its
+checksum raises :class:`DamagedCheckpointError`, and resuming falls back to an
+older checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import io
 import logging
+import math
 import os
 import pickle
 import random
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -39,9 +52,24 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    _EmptyStateDictLoadPlanner,
+)
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from distribuuuu import distributed as du
+from distribuuuu.logger import FILE_ONLY
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +96,29 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+class DiskFullError(RuntimeError):
+    """No space left while writing a file; the message names it."""
+
+
+def _disk_full(error: BaseException, directory: str) -> bool:
+    """Whether ``error`` came from a full disk.  torch.save reports it as a
+    RuntimeError of its zip writer ("unexpected pos"), so the free space of
+    ``directory`` decides when the error does not say."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    try:
+        usage = os.statvfs(directory)
+    except OSError:
+        return False
+    return usage.f_bavail * usage.f_frsize < (1 << 20)
+
+
 def atomic_write(path: str, write) -> None:
-    """Call ``write(file)`` on a temporary file, fsync it and rename it to ``path``."""
+    """Call ``write(file)`` on a temporary file, fsync it and rename it to ``path``.
+
+    On any failure the temporary file is removed and ``path`` keeps what it
+    held; a full disk raises DiskFullError naming ``path``.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
@@ -79,10 +128,43 @@ def atomic_write(path: str, write) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:
+        if _disk_full(error, directory):
+            raise DiskFullError(
+                f"no space left on device while writing {path}"
+            ) from error
+        raise
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
     _fsync_dir(directory)
+
+
+# Temporary names of atomic_write and save_sharded that a killed process
+# leaves behind.
+_STALE = re.compile(
+    r"^\.(ckpt_ep_\w+\.pth|last|best(_ema)?\.pth|.+\.ya?ml)\.tmp\d+$"
+    r"|^ckpt_ep_\w+\.dcp\.tmp$"
+)
+
+
+def remove_stale_files(out_dir: str) -> list[str]:
+    """Remove half-written files of a killed save (call on rank 0 before a run
+    writes anything); their paths."""
+    removed = []
+    for directory in (out_dir, os.path.join(out_dir, CHECKPOINT_DIR)):
+        if not os.path.isdir(directory):
+            continue
+        for name in sorted(os.listdir(directory)):
+            path = os.path.join(directory, name)
+            if not _STALE.match(name) or os.path.islink(path):
+                continue
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+            removed.append(path)
+    return removed
 
 
 def save_checkpoint(
@@ -110,17 +192,57 @@ def save_checkpoint(
     return os.path.join(directory, name)
 
 
+class RefusedCheckpointError(ValueError):
+    """A file that would build objects or reach files a checkpoint never does."""
+
+
+def _refused(reason: str) -> RefusedCheckpointError:
+    return RefusedCheckpointError(f"refused to load it: {reason}")
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint that is incomplete, truncated or fails its checksums."""
+
+
 def sharded_dir(path: str) -> str:
     """The DCP directory that goes with checkpoint file ``path``."""
     return os.path.splitext(path)[0] + SHARDED_SUFFIX
 
 
-def save_sharded(out_dir: str, name: str, state: dict) -> str:
-    """Every rank writes its shards of ``state``; returns the directory's name.
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _shard_manifest(directory: str) -> dict[str, list]:
+    """``{file: [size, sha256]}`` of a DCP directory; a collective.
+
+    Every rank hashes a share of the files, so the cost is spread.
+    """
+    names = du.broadcast_object(sorted(os.listdir(directory)))
+    rank, world = du.get_rank(), du.get_world_size()
+    mine = {
+        name: [os.path.getsize(os.path.join(directory, name)), _sha256(path)]
+        for name in names[rank::world]
+        for path in [os.path.join(directory, name)]
+    }
+    manifest: dict[str, list] = {}
+    for part in du.all_gather_object(mine):
+        manifest.update(part)
+    return manifest
+
+
+def save_sharded(out_dir: str, name: str, state: dict) -> dict:
+    """Every rank writes its shards of ``state``; the checkpoint entries naming them.
 
     A collective.  The shards go to a temporary directory that rank 0 renames
     into place once DCP has finished (DCP's writer fsyncs each file), so a
-    ``.dcp`` directory under its final name is always complete.
+    ``.dcp`` directory under its final name is always complete.  Returns
+    ``{"sharded": directory name, "sharded_files": manifest}``, the manifest
+    holding the size and SHA-256 of every file, checked before resuming.
     """
     directory = os.path.join(out_dir, CHECKPOINT_DIR)
     final = sharded_dir(os.path.join(directory, name))
@@ -130,71 +252,295 @@ def save_sharded(out_dir: str, name: str, state: dict) -> str:
         os.makedirs(tmp)
     du.barrier()
     dcp.save(state, checkpoint_id=tmp)
+    manifest = _shard_manifest(tmp)
     if du.is_main_process():
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _fsync_dir(directory)
     du.barrier()
-    return os.path.basename(final)
+    return {"sharded": os.path.basename(final), "sharded_files": manifest}
 
 
-# What a DCP .metadata pickle may build besides torch dtypes: DCP's classes
-# and the few others they hold (measured on torch 2.14's files).
-_DCP_PICKLE_MODULE = "torch.distributed.checkpoint."
-_DCP_PICKLE_NAMES = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-}
+# The exact globals a DCP .metadata pickle builds (measured on torch 2.14's
+# files): DCP's metadata classes, torch.Size, layouts, dtypes and paths.  A
+# name is matched whole: pickle protocol 4 resolves dotted names through
+# attributes, so a prefix or module match would reach anything.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_METADATA_GLOBALS = frozenset(
+    {
+        (_DCP_METADATA, cls.__name__)
+        for cls in (
+            Metadata,
+            MetadataIndex,
+            StorageMeta,
+            TensorStorageMetadata,
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+        )
+    }
+    | {
+        (_DCP_METADATA, "TensorProperties"),
+        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+    }
+    | {("torch", name) for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
+)
+_SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+class _ForbiddenGlobalError(pickle.UnpicklingError):
+    pass
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata and refuses any other global."""
 
     def find_class(self, module: str, name: str):
-        allowed = (
-            module.startswith(_DCP_PICKLE_MODULE)
-            or (module, name) in _DCP_PICKLE_NAMES
-            or (
-                module == "torch"
-                and isinstance(getattr(torch, name, None), torch.dtype)
-            )
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(f"refusing to build {module}.{name}")
+        if (module, name) not in _METADATA_GLOBALS:
+            raise _ForbiddenGlobalError(f"{module}.{name}")
         return super().find_class(module, name)
 
 
-def _check_dcp_metadata(directory: str) -> None:
-    """Raise ValueError unless ``directory`` holds safe DCP metadata."""
+def _is_size(value: Any) -> bool:
+    return isinstance(value, torch.Size) and all(n >= 0 for n in value)
+
+
+def _check_metadata(directory: str, metadata: Any) -> None:
+    """Refuse metadata of the wrong shape or naming files outside ``directory``;
+    call it damaged when the files are shorter than it says."""
+    path = os.path.join(directory, ".metadata")
+    entries = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not (
+        isinstance(metadata, Metadata)
+        and isinstance(entries, dict)
+        and isinstance(storage, dict)
+    ):
+        raise _refused(f"{path}: not DCP checkpoint metadata")
+    declared = 0
+    for key, entry in entries.items():
+        if isinstance(entry, TensorStorageMetadata):
+            dtype = getattr(entry.properties, "dtype", None)
+            chunks = entry.chunks
+            if not (
+                isinstance(dtype, torch.dtype)
+                and _is_size(entry.size)
+                and isinstance(chunks, list)
+                and all(
+                    isinstance(c, ChunkStorageMetadata)
+                    and _is_size(c.offsets)
+                    and _is_size(c.sizes)
+                    for c in chunks
+                )
+            ):
+                raise _refused(f"{path}: malformed entry {key!r}")
+            declared += math.prod(entry.size) * dtype.itemsize
+        elif not isinstance(entry, BytesStorageMetadata):
+            raise _refused(f"{path}: malformed entry {key!r}")
+    sizes: dict[str, int] = {}
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not (
+            isinstance(info, _StorageInfo)
+            and isinstance(name, str)
+            and _SHARD_FILE.match(name)
+        ):
+            raise _refused(f"{path}: names a file outside its directory")
+        if name not in sizes:
+            try:
+                sizes[name] = os.path.getsize(os.path.join(directory, name))
+            except OSError:
+                raise DamagedCheckpointError(
+                    f"{directory}: {name} is missing"
+                ) from None
+        offset, length = info.offset, info.length
+        if (
+            not (isinstance(offset, int) and isinstance(length, int))
+            or min(offset, length) < 0
+        ):
+            raise _refused(f"{path}: malformed storage entry for {name}")
+        if offset + length > sizes[name]:
+            raise DamagedCheckpointError(
+                f"{directory}: {name} is shorter than its metadata says (truncated?)"
+            )
+    # Tensors are stored whole in the shard files: metadata that declares more
+    # bytes than those hold would only make the reader allocate them.
+    if declared > sum(sizes.values()):
+        raise _refused(
+            f"{path}: declares {declared} bytes of tensors in "
+            f"{sum(sizes.values())} bytes of shards"
+        )
+
+
+def read_dcp_metadata(directory: str) -> Metadata:
+    """The checked metadata of DCP directory ``directory``.
+
+    Raises RefusedCheckpointError for a file that is not DCP's metadata (a global
+    other than DCP's own, a file outside the directory) and DamagedCheckpointError
+    for one that is incomplete.
+    """
     path = os.path.join(directory, ".metadata")
     try:
         with open(path, "rb") as f:
-            _MetadataUnpickler(f).load()
+            metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
-        raise ValueError(f"{directory}: no DCP .metadata (incomplete?)") from None
-    except pickle.UnpicklingError as error:
-        raise ValueError(f"{path}: not DCP checkpoint metadata ({error})") from None
+        raise DamagedCheckpointError(
+            f"{directory}: no DCP .metadata (incomplete?)"
+        ) from None
+    except _ForbiddenGlobalError as error:
+        raise _refused(
+            f"{path}: it would build {error}, which DCP checkpoint metadata never "
+            "holds; refusing to load it"
+        ) from None
+    except Exception as error:  # truncated or garbled: pickle raises many types
+        raise DamagedCheckpointError(
+            f"{path}: unreadable ({type(error).__name__}: {error})"
+        ) from None
+    _check_metadata(directory, metadata)
+    return metadata
 
 
-def read_sharded(directory: str) -> dict:
+class SafeShardReader(FileSystemReader):
+    """DCP's file reader, with the metadata read by :func:`read_dcp_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_dcp_metadata(str(self.path))
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeBytes:
+    """Loads the non-tensor items of a DCP checkpoint weights-only (DCP's own
+    planners unpickle them with ``weights_only=False``)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        name = read_item.dest_index.fqn
+        try:
+            item = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            if "GLOBAL" not in str(error):
+                raise DamagedCheckpointError(f"shard item {name} is garbled") from None
+            raise _refused(
+                f"shard item {name} holds pickled code or objects, which "
+                f"weights-only loading never runs ({_first(error)})"
+            ) from None
+        value = io.BytesIO()
+        torch.save(item, value)  # DCP's planner reads it back: now only data
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def _unwrap(error: CheckpointException, directory: str) -> ValueError:
+    """Our own error inside DCP's CheckpointException (a BaseException, which
+    ``except Exception`` would miss), or a DamagedCheckpointError."""
+    for failure, _ in error.failures.values():
+        if isinstance(failure, RefusedCheckpointError | DamagedCheckpointError):
+            failure.args = (f"{directory}: {failure}",)
+            return failure
+    return DamagedCheckpointError(f"{directory}: {_first(error)}")
+
+
+def _first(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(error).__name__
+
+
+class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
+    """DCP's default load planner, loading non-tensor items weights-only."""
+
+
+class _SafeWholeLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
+    """Builds the whole state from the metadata, non-tensor items weights-only."""
+
+
+def load_shards(state: dict, directory: str) -> None:
+    """``dcp.load`` of ``state`` from ``directory`` (a collective), safely."""
+    try:
+        dcp.load(
+            state,
+            storage_reader=SafeShardReader(directory),
+            planner=SafeLoadPlanner(),
+        )
+    except CheckpointException as error:
+        raise _unwrap(error, directory) from None
+
+
+def read_sharded(directory: str, keys: set[str] | None = None) -> dict:
     """A DCP checkpoint read whole into this process (no process group used).
 
-    Through DCP's own converter to a ``torch.save`` file (in a temporary
-    directory beside it, where there is room for it), loaded weights-only.
+    ``keys``: only these items (flattened names, as in the metadata).
     """
-    _check_dcp_metadata(directory)
-    parent = os.path.dirname(os.path.abspath(directory))
-    with tempfile.TemporaryDirectory(dir=parent, prefix=".read_sharded") as tmp:
-        whole = os.path.join(tmp, "whole.pth")
-        dcp_to_torch_save(directory, whole)
-        return load_file(whole)
+    state: dict = {}
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=SafeShardReader(directory),
+            planner=_SafeWholeLoadPlanner(keys),
+            no_dist=True,
+        )
+    except CheckpointException as error:
+        raise _unwrap(error, directory) from None
+    return state
+
+
+def _check_shard_items(directory: str) -> None:
+    """Read the non-tensor items of a DCP checkpoint (a few small ones: the
+    optimizer's hyper-parameters), so that one holding code is refused before
+    a run starts."""
+    metadata = read_dcp_metadata(directory)
+    keys = {
+        key
+        for key, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, BytesStorageMetadata)
+    }
+    if keys:
+        read_sharded(directory, keys)
 
 
 def shards_of(path: str, state: dict) -> str:
-    """The DCP directory named by the sharded checkpoint ``path`` (``state``)."""
-    return os.path.join(os.path.dirname(path), state["sharded"])
+    """The DCP directory named by the sharded checkpoint ``path`` (``state``).
+
+    It must be a plain ``.dcp`` name in the folder of ``path``, not a link out
+    of it: anything else is refused.
+    """
+    name = state.get("sharded")
+    folder = os.path.dirname(os.path.abspath(path))
+    if (
+        not isinstance(name, str)
+        or not name.endswith(SHARDED_SUFFIX)
+        or name != os.path.basename(name)
+        or name.startswith(".")
+        or "\0" in name
+    ):
+        raise _refused(f"its shards must be a .dcp folder beside it, not {name!r}")
+    directory = os.path.join(folder, name)
+    if os.path.dirname(os.path.realpath(directory)) != os.path.realpath(folder):
+        raise _refused(f"its shards {name} link out of {folder}")
+    return directory
+
+
+def verify_shards(directory: str, manifest: Any) -> None:
+    """Check the files of ``directory`` against the ``sharded_files`` manifest."""
+    if not isinstance(manifest, dict):
+        raise _refused(f"{directory}: malformed shard manifest")
+    for name, expected in manifest.items():
+        file = os.path.join(directory, str(name))
+        if not (isinstance(name, str) and name == os.path.basename(name)):
+            raise _refused(f"{directory}: malformed shard manifest")
+        try:
+            size = os.path.getsize(file)
+        except OSError:
+            raise DamagedCheckpointError(f"{directory}: {name} is missing") from None
+        if [size, _sha256(file)] != list(expected):
+            raise DamagedCheckpointError(
+                f"{directory}: {name} does not match its checksum (damaged)"
+            )
 
 
 def load_full(path: str) -> Any:
@@ -225,48 +571,88 @@ def list_checkpoints(out_dir: str) -> list[tuple[tuple[int, int], str]]:
 
 
 def load_file(path: str) -> Any:
-    """Load a checkpoint or weights file on the CPU, never executing pickled code."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """Load a checkpoint or weights file on the CPU, never executing pickled code.
+
+    A file holding pickled code or objects raises RefusedCheckpointError.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        code = re.search(r"GLOBAL ([\w.]+)", str(error))
+        if code is None:
+            raise
+        raise _refused(
+            f"it holds pickled code or objects ({code[1]}), which weights-only "
+            "loading never runs"
+        ) from None
 
 
-def find_resume_checkpoint(out_dir: str) -> tuple[str, dict] | None:
+def _last_pointer(directory: str, warn: Callable) -> str | None:
+    """The checkpoint that ``last`` names, if it names one of ours in
+    ``directory``; anything else is ignored with a warning."""
+    pointer = os.path.join(directory, LAST_POINTER)
+    if not os.path.isfile(pointer):
+        return None
+    try:
+        with open(pointer, "rb") as f:
+            name = f.read(256).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        warn("ignoring unreadable %s (%s)", pointer, error)
+        return None
+    if not _NAME.match(name):
+        warn("ignoring %s: %r is not a checkpoint name", pointer, name[:80])
+        return None
+    return os.path.join(directory, name)
+
+
+def _silent(*args, **kwargs) -> None:
+    pass
+
+
+def find_resume_checkpoint(
+    out_dir: str, checksums: bool = False, warn: bool = True
+) -> tuple[str, dict] | None:
     """The newest checkpoint that loads, trying ``last`` first, then the others.
 
-    A truncated or corrupt file is skipped with a warning naming it.
+    A torn, truncated or otherwise damaged file is skipped with a warning
+    naming it (unless not ``warn``; its traceback goes to the log files only).
+    With ``checksums`` the shards of a sharded checkpoint are checked against
+    its manifest.  A checkpoint that holds code is refused:
+    RefusedCheckpointError.
     """
+    log = logger.warning if warn else _silent
     directory = os.path.join(out_dir, CHECKPOINT_DIR)
-    candidates = []
-    pointer = os.path.join(directory, LAST_POINTER)
-    if os.path.isfile(pointer):
-        with open(pointer, encoding="utf-8") as f:
-            candidates.append(os.path.join(directory, f.read().strip()))
+    candidates = [_last_pointer(directory, log)]
     candidates += [path for _, path in list_checkpoints(out_dir)]
     for path in dict.fromkeys(candidates):  # in order, without repeats
-        if not os.path.isfile(path):
+        if path is None or not os.path.isfile(path):
             continue
         try:
             state = load_file(path)
+            _check_training_state(path, state, checksums)
+        except RefusedCheckpointError as error:
+            error.args = (f"{path}: {error}",)
+            raise
         except Exception as error:  # a torn or corrupt file: try an older one
-            logger.warning("skipping unreadable checkpoint %s (%s)", path, error)
+            log("skipping damaged checkpoint %s (%s)", path, _first(error))
+            log("why %s was skipped:", path, exc_info=True, extra={FILE_ONLY: True})
             continue
-        problem = _training_state_problem(path, state)
-        if problem is None:
-            return path, state
-        logger.warning("skipping %s: %s", path, problem)
+        return path, state
     return None
 
 
-def _training_state_problem(path: str, state: Any) -> str | None:
-    """Why a loaded file is not a whole training checkpoint; None if it is."""
+def _check_training_state(path: str, state: Any, checksums: bool) -> None:
+    """Raise unless a loaded file is a whole training checkpoint."""
     if not isinstance(state, dict) or "epoch" not in state:
-        return "not a training checkpoint"
+        raise DamagedCheckpointError("not a training checkpoint")
     if "sharded" not in state:
-        return None if "model" in state else "not a training checkpoint"
-    try:
-        _check_dcp_metadata(shards_of(path, state))
-    except ValueError as error:
-        return str(error)
-    return None
+        if "model" not in state:
+            raise DamagedCheckpointError("not a training checkpoint")
+        return
+    directory = shards_of(path, state)
+    if checksums and "sharded_files" in state:
+        verify_shards(directory, state["sharded_files"])
+    _check_shard_items(directory)
 
 
 def model_state_dict(state: dict) -> dict:

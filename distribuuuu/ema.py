@@ -19,11 +19,11 @@ import logging
 from collections.abc import Iterator
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from distribuuuu import checkpoint as cp
 from distribuuuu.parallel import unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class ModelEma:
 
         A collective under FSDP; DCP re-shards it for this world size.
         """
-        dcp.load({"ema": self.tensors()}, checkpoint_id=directory)  # in place
+        cp.load_shards({"ema": self.tensors()}, directory)  # in place
         self._restore_counters(counters)
 
     def _restore_counters(self, counters: dict) -> None:

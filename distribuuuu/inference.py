@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 from dataclasses import dataclass
 
 import torch
@@ -57,12 +56,6 @@ class Checkpoint:
 def _refusal(error: Exception) -> str:
     """Why ``torch.load`` refused or failed to read a file, in one line."""
     text = str(error)
-    code = re.search(r"GLOBAL ([\w.]+)", text)
-    if code:
-        return (
-            f"refused to load it: it holds pickled code or objects ({code[1]}), "
-            "which weights-only loading never runs"
-        )
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     reasons = [line for line in lines if not line.startswith(_TORCH_LOAD_NOTES)]
     if not reasons:
@@ -96,6 +89,8 @@ def read_checkpoint(path: str) -> Checkpoint:
         raise CheckpointError(f"{path}: {reason}")
     try:
         state = cp.load_full(path)
+    except (cp.RefusedCheckpointError, cp.DamagedCheckpointError) as error:
+        raise CheckpointError(f"{path}: {error}") from None
     except Exception as error:  # torch.load raises many types for other files
         raise CheckpointError(f"{path}: {_refusal(error)}") from error
     try:

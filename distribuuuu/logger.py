@@ -21,6 +21,8 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tb"
 # Attribute of records that a live status line shows instead of the console.
 STATUS_LINE = "status_line"
+# A record with this attribute set goes to the log files only (tracebacks).
+FILE_ONLY = "file_only"
 _REDRAW_SECONDS = 0.1  # at most ten status redraws a second
 
 
@@ -122,6 +124,7 @@ def setup_logging(out_dir: str | None, rank: int) -> logging.Logger:
     if rank == 0:
         console = _Console(sys.stdout)
         console.setFormatter(formatter)
+        console.addFilter(lambda record: not getattr(record, FILE_ONLY, False))
         logger.addHandler(console)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)

@@ -10,7 +10,6 @@ import logging
 from collections.abc import Iterator
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -32,6 +31,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from distribuuuu import checkpoint as cp
 from distribuuuu import distributed as du
 from distribuuuu.models import find_blocks
 from distribuuuu.syncbn import GroupSyncBatchNorm
@@ -259,7 +259,7 @@ def load_sharded_state(
     world size that saved them.
     """
     state = sharded_state(model, optimizer)
-    dcp.load(state, checkpoint_id=directory)
+    cp.load_shards(state, directory)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 

@@ -548,7 +548,7 @@ def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
     if is_sharded(run.model):  # every rank writes its shards, nothing gathered
         name = cp.checkpoint_name(progress.epoch, step)
         shards = {**sharded_state(run.model, run.optimizer), **ema}
-        weights = {"sharded": cp.save_sharded(cfg.OUT_DIR, name, shards)}
+        weights = cp.save_sharded(cfg.OUT_DIR, name, shards)
     else:
         weights = {
             "model": model_state_dict(run.model),
@@ -639,13 +639,25 @@ def _load_weights(cfg, model, optimizer) -> str:
     return f"weights from {path}"
 
 
+def _agreed_resume_checkpoint(out_dir: str) -> tuple[str, dict] | None:
+    """The checkpoint to resume from, chosen by rank 0 (which checks the shard
+    checksums of a sharded one) and loaded by every rank."""
+    found = None
+    if du.is_main_process():
+        found = cp.find_resume_checkpoint(out_dir, checksums=True)
+    path = du.broadcast_object(None if found is None else found[0])
+    if path is None or found is not None:
+        return found
+    return path, cp.load_file(path)
+
+
 def _resume_or_load(
     cfg, model, optimizer, scaler, ema: ModelEma | None = None
 ) -> tuple[Progress, dict | None, str]:
     """Progress to continue from, the checkpoint resumed (None when new) and
     what the run starts from, in words."""
     if cfg.TRAIN.AUTO_RESUME:
-        found = cp.find_resume_checkpoint(cfg.OUT_DIR)
+        found = _agreed_resume_checkpoint(cfg.OUT_DIR)
         if found is not None:
             path, state = found
             restored = _load_training_state(model, optimizer, path, state, ema)
@@ -714,6 +726,8 @@ def train_model(cfg: CfgNode) -> dict:
     with run_context(cfg) as (info, device):
         if info.rank == 0:
             dump_cfg(cfg)
+            for path in cp.remove_stale_files(cfg.OUT_DIR):
+                logger.info("removed %s, left by a save that was killed", path)
         writer = MetricsWriter(cfg.OUT_DIR, enabled=info.rank == 0)
         try:
             run, train_loader, val_loader = _build_run(cfg, info, device, writer)

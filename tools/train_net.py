@@ -205,13 +205,27 @@ def check_inputs(cfg, keep_out_dir: bool = True, eval_only: bool = False) -> Non
         check_weights(
             cfg.MODEL.WEIGHTS, cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, finetune
         )
+    if cfg.TRAIN.AUTO_RESUME and not eval_only:
+        check_resume(cfg.OUT_DIR)
     check_out_dir(cfg.OUT_DIR, keep_out_dir)
+
+
+def check_resume(out_dir: str) -> None:
+    """Refuse a run whose OUT_DIR holds a checkpoint that would build code or
+    reach files elsewhere (damaged ones are skipped when resuming)."""
+    from distribuuuu import checkpoint as cp
+
+    try:
+        cp.find_resume_checkpoint(out_dir, warn=False)
+    except cp.RefusedCheckpointError as error:
+        raise ConfigError(f"OUT_DIR checkpoint {error}; remove it") from error
 
 
 # Errors whose message is written for users: shown without their type name.
 _PLAIN_ERRORS = {
     "ConfigError",
     "DataError",
+    "DiskFullError",
     "DistributedSetupError",
     "FileNotFoundError",
 }
