@@ -44,6 +44,9 @@ def pytest_configure(config) -> None:
     machine more threads would only wait for each other."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    config.addinivalue_line(
+        "markers", "slow: takes more than a few seconds (pytest -m 'not slow')"
+    )
 
 
 def free_port() -> int:

@@ -300,3 +300,26 @@ def test_disk_full_during_the_run_keeps_the_previous_checkpoint(tmp_path):
         assert not [p for p in out.rglob("*") if ".tmp" in p.name]
         assert (folder / "last").read_text().strip() == "ckpt_ep_0001.pth"
         assert cp.load_file(str(folder / "ckpt_ep_0001.pth"))["epoch"] == 1
+
+
+@pytest.mark.slow
+def test_fsdp_resume_skips_a_truncated_shard(tmp_path):
+    """``truncate -s 1000`` of a shard of the newest FSDP checkpoint: the rerun
+    warns, resumes from the previous complete one and finishes."""
+    from conftest import assert_ok, read_metrics, torchrun
+
+    out = str(tmp_path / "out")
+    fsdp = [*TINY, "DIST.STRATEGY", "fsdp", "OUT_DIR", out]
+    assert_ok(torchrun(2, *fsdp, "OPTIM.MAX_EPOCH", "2"))
+    shard = tmp_path / "out" / "checkpoints" / "ckpt_ep_0002.dcp" / "__1_0.distcp"
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    again = torchrun(2, *fsdp, "OPTIM.MAX_EPOCH", "3")
+    assert_ok(again)
+    assert "skipping damaged checkpoint" in again.stdout
+    assert "ckpt_ep_0002.pth" in again.stdout
+    assert "resumed from" in again.stdout and "ckpt_ep_0001.pth" in again.stdout
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert "Traceback (most recent call last)" in log  # why it was skipped
+    assert "Traceback" not in again.stdout + again.stderr
+    assert [r["epoch"] for r in read_metrics(out, "val")] == [1, 2, 2, 3]
