@@ -217,18 +217,17 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _shard_manifest(directory: str) -> dict[str, list]:
+def shard_manifest(directory: str) -> dict[str, list]:
     """``{file: [size, sha256]}`` of a DCP directory; a collective.
 
     Every rank hashes a share of the files, so the cost is spread.
     """
     names = du.broadcast_object(sorted(os.listdir(directory)))
     rank, world = du.get_rank(), du.get_world_size()
-    mine = {
-        name: [os.path.getsize(os.path.join(directory, name)), _sha256(path)]
-        for name in names[rank::world]
-        for path in [os.path.join(directory, name)]
-    }
+    mine = {}
+    for name in names[rank::world]:
+        path = os.path.join(directory, name)
+        mine[name] = [os.path.getsize(path), _sha256(path)]
     manifest: dict[str, list] = {}
     for part in du.all_gather_object(mine):
         manifest.update(part)
@@ -252,7 +251,7 @@ def save_sharded(out_dir: str, name: str, state: dict) -> dict:
         os.makedirs(tmp)
     du.barrier()
     dcp.save(state, checkpoint_id=tmp)
-    manifest = _shard_manifest(tmp)
+    manifest = shard_manifest(tmp)
     if du.is_main_process():
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

@@ -216,7 +216,7 @@ def test_shard_checksums_catch_damage_of_the_same_size(tmp_path):
                folder / "ckpt_ep_0001.pth")  # fmt: skip
     shards = folder / "ckpt_ep_0002.dcp"
     write_dcp(shards)
-    entries = cp.save_sharded.__globals__["_shard_manifest"](str(shards))
+    entries = cp.shard_manifest(str(shards))
     torch.save({"epoch": 2, "consumed": 0, "sharded": shards.name,
                 "sharded_files": entries}, folder / "ckpt_ep_0002.pth")  # fmt: skip
     shard = next(shards.glob("*.distcp"))
