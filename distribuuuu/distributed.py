@@ -219,6 +219,7 @@ def setup_distributed(
         timeout_s: seconds to wait for peers at start-up and in collectives.
     """
     info = detect_launch()
+    _GROUP.clear()  # no group joined (yet) by this run
     device = select_device(device_preference, info.local_rank)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Share the cores between the processes of this node instead of every
