@@ -4,7 +4,10 @@ Detection (first match wins), as in ARCHITECTURE.md:
 
 * ``SLURM_PROCID`` set and no ``RANK``: a Slurm task started by ``srun``; rank,
   world size and local rank come from ``SLURM_PROCID``, ``SLURM_NTASKS``,
-  ``SLURM_LOCALID``; the master is the first host of ``SLURM_NODELIST``.
+  ``SLURM_LOCALID``; the master is the first host of ``SLURM_NODELIST``.  The
+  batch script of a job of several tasks has the same variables but no step id
+  (or the batch step's): a process started there without srun is refused, since
+  the other tasks it would wait for never come.
 * ``RANK`` and ``WORLD_SIZE`` set: torchrun, ``torch.distributed.launch`` or our
   own spawn; a Slurm step that runs torchrun inside lands here too.
 * nothing: one process, no process group.
@@ -19,6 +22,7 @@ import logging
 import os
 import re
 import subprocess
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +40,19 @@ _SLURM_PORT_SPAN = 20000
 
 class DistributedSetupError(RuntimeError):
     """The process group could not be formed (peers missing, port taken, ...)."""
+
+
+class LaunchError(ValueError):
+    """The environment describes a launch that cannot work (e.g. srun forgotten)."""
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because other processes of the job stopped answering."""
+
+
+# Slurm's step ids of a job's batch script and of its "extern" step (processes
+# that enter the job by ssh), as numbers and as Slurm prints them: no srun there.
+_NOT_SRUN_STEPS = {"4294967294", "batch", "4294967295", "extern"}
 
 
 @dataclass(frozen=True)
@@ -112,6 +129,17 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     env = os.environ if env is None else env
     if "SLURM_PROCID" in env and "RANK" not in env:
         world = int(env.get("SLURM_NTASKS", "1"))
+        step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+        batch_script = step is None or step in _NOT_SRUN_STEPS
+        if world > 1 and batch_script and env["SLURM_PROCID"] == "0":
+            raise LaunchError(
+                f"this process has the Slurm environment of task "
+                f"{env['SLURM_PROCID']} of {world} (SLURM_NTASKS={world}) but was "
+                f"not started by srun (it runs in the job's batch script, where "
+                f"no other task will ever join it): start the tasks with srun, as "
+                f"`srun python tools/train_net.py ...` (tools/slurm_train.sh does), "
+                f"or submit the job with one task (sbatch -n 1)"
+            )
         nodes = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env["SLURM_NODELIST"])
         job_id = int(env.get("SLURM_JOB_ID", "0"))
         port = _SLURM_PORT_BASE + job_id % _SLURM_PORT_SPAN
@@ -152,6 +180,34 @@ def select_device(preference: str, local_rank: int) -> torch.device:
     return device
 
 
+def cpu_threads(affinity: int, local_world_size: int, env: Mapping[str, str]) -> int:
+    """Torch threads for one process: its share of the CPUs it may run on.
+
+    Under torchrun (or spawn, or plain python) the processes of a node share
+    one CPU affinity, which is divided between them.  A Slurm task started by
+    srun owns its CPUs already: ``SLURM_CPUS_PER_TASK`` of them (else its
+    share of ``SLURM_CPUS_ON_NODE``), and its affinity, when Slurm binds tasks,
+    is already that share and is not divided again.
+
+    Args:
+        affinity: number of CPUs this process may run on (``sched_getaffinity``).
+        local_world_size: processes of the job on this node.
+        env: the environment (``SLURM_*``, ``RANK``).
+    """
+    local = max(1, local_world_size)
+    if "SLURM_PROCID" not in env or "RANK" in env:  # not a task of srun's
+        return max(1, affinity // local)
+    per_task = env.get("SLURM_CPUS_PER_TASK", "")
+    on_node = env.get("SLURM_CPUS_ON_NODE", "")
+    if per_task.isdigit():
+        share = int(per_task)
+    elif on_node.isdigit():
+        share = int(on_node) // local
+    else:
+        share = affinity // local
+    return max(1, min(affinity, share))
+
+
 def setup_distributed(
     backend: str = "", device_preference: str = "auto", timeout_s: float = 600
 ) -> tuple[LaunchInfo, torch.device]:
@@ -163,12 +219,13 @@ def setup_distributed(
         timeout_s: seconds to wait for peers at start-up and in collectives.
     """
     info = detect_launch()
+    _GROUP.clear()  # no group joined (yet) by this run
     device = select_device(device_preference, info.local_rank)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Share the cores between the processes of this node instead of every
         # process starting one thread per core.
-        cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(max(1, cores // max(1, info.local_world_size)))
+        affinity = len(os.sched_getaffinity(0))
+        torch.set_num_threads(cpu_threads(affinity, info.local_world_size, os.environ))
     if info.world_size > 1 and not dist.is_initialized():
         os.environ["MASTER_ADDR"] = info.master_addr
         os.environ["MASTER_PORT"] = str(info.master_port)
@@ -190,7 +247,112 @@ def setup_distributed(
                 f"{info.launcher}) within DIST.INIT_TIMEOUT={timeout_s:g}s: "
                 f"{type(error).__name__}: {reason}"
             ) from error
+        _remember_group(info.rank, info.world_size, timeout_s)
     return info, device
+
+
+# The group joined by setup_distributed: rank, world size, timeout and its
+# store, kept beyond cleanup_distributed so that a failure can still be told.
+_GROUP: dict[str, Any] = {}
+# Words of gloo's and NCCL's errors when a peer does not answer in time, and
+# when its connection is gone.
+_TIMEOUT_WORDS = ("timed out", "timeout", "pair closure")
+_LOST_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def _remember_group(rank: int, world_size: int, timeout_s: float) -> None:
+    try:  # the c10d store the group was formed through (not a public name)
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # without it, only the names of ranks are lost
+        store = None
+    _GROUP.clear()
+    _GROUP.update(rank=rank, world_size=world_size, timeout_s=timeout_s, store=store)
+
+
+def peer_failure(error: BaseException) -> PeerLostError | None:
+    """``error`` told in one line, when a collective timed out or lost a peer.
+
+    For a gloo or NCCL error of a time-out or a closed connection in the group
+    that :func:`setup_distributed` joined, the answer names DIST.INIT_TIMEOUT
+    and the ranks that did not answer: every rank that meets such an error
+    marks itself in the group's store, and waits a few seconds for the others
+    to do the same; those that never do are stopped, dead or hung.  Any other
+    error gives None.
+    """
+    text = str(error)
+    lowered = text.lower()
+    from_backend = isinstance(error, getattr(dist, "DistError", ())) or any(
+        word in lowered for word in ("gloo", "nccl", "processgroup")
+    )
+    timed_out = any(word in lowered for word in _TIMEOUT_WORDS)
+    lost = any(word in lowered for word in _LOST_WORDS)
+    if not (_GROUP and isinstance(error, RuntimeError) and from_backend):
+        return None
+    if not (timed_out or lost):
+        return None
+    rank, world = _GROUP["rank"], _GROUP["world_size"]
+    silent, why = _silent_ranks(_GROUP["store"], rank, world, _GROUP["timeout_s"])
+    reason = _backend_reason(text)
+    if timed_out:
+        what = (
+            f"rank {rank}: a collective waited DIST.INIT_TIMEOUT="
+            f"{_GROUP['timeout_s']:g}s for the other processes ({reason})"
+        )
+    else:
+        what = f"rank {rank}: lost the connection to the other processes ({reason})"
+    if why:
+        who = f"{_name_ranks(silent)} did not answer or could not be asked ({why})"
+    elif silent:
+        who = f"{_name_ranks(silent)} did not answer (stopped, dead or hung)"
+    else:
+        who = "every other rank answered (they waited in different collectives?)"
+    failure = PeerLostError(f"{what}; {who}")
+    failure.__cause__ = error
+    return failure
+
+
+def _backend_reason(text: str) -> str:
+    """The first line of a backend's error without its ``[file.cc:NN]`` prefix."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    return re.sub(r"^\[[^\]]*\]\s*", "", first)
+
+
+def _name_ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def _silent_ranks(
+    store: Any, rank: int, world_size: int, timeout_s: float
+) -> tuple[list[int], str]:
+    """The ranks that did not mark themselves failed, and why they may be unknown.
+
+    Marks ``rank`` in ``store``, then waits up to 5 s (less for a shorter
+    timeout) for every other rank's mark.
+    """
+    others = [r for r in range(world_size) if r != rank]
+    if store is None:
+        return others, "no store to ask"
+    # A restart of the job (torchrun --max-restarts, Slurm requeue) may share
+    # the store with the failed attempt: its marks must not count.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt += "." + os.environ.get("SLURM_RESTART_COUNT", "0")
+    key = f"distribuuuu/peer_failure/{attempt}/"
+    wait_s = min(5.0, max(1.0, timeout_s))
+    try:
+        # The store may live in a stopped process: never wait on it for long.
+        store.set_timeout(datetime.timedelta(seconds=wait_s))
+        store.set(key + str(rank), "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            silent = [r for r in others if not store.check([key + str(r)])]
+            if not silent or time.monotonic() >= deadline:
+                return silent, ""
+            time.sleep(0.1)
+    except Exception as error:  # the store is gone or stopped
+        return others, f"the job's store did not answer: {type(error).__name__}"
 
 
 def cleanup_distributed() -> None:

@@ -30,5 +30,10 @@ set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
 echo "job ${SLURM_JOB_ID:-?}: ${SLURM_NNODES:-1} node(s) ${SLURM_JOB_NODELIST:-?}," \
   "${SLURM_NTASKS:-1} task(s)"
+# Since Slurm 22.05 srun no longer inherits --cpus-per-task from sbatch (each
+# task would get 1 CPU): hand it on through the variable srun reads.
+if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
+  export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK}"
+fi
 # --kill-on-bad-exit: when one task fails, Slurm stops the others at once.
 srun --kill-on-bad-exit=1 "${PYTHON:-python}" -u tools/train_net.py "$@"

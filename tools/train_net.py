@@ -122,11 +122,20 @@ def _run_rank(cfg, eval_only: bool, dry_run: bool = False) -> None:
 
 
 def run(cfg, eval_only: bool, dry_run: bool = False) -> None:
-    """:func:`_run_rank`, writing a failure's traceback to this rank's log file."""
+    """:func:`_run_rank`, writing a failure's traceback to this rank's log file.
+
+    A collective that timed out or lost a peer is told as a PeerLostError that
+    names DIST.INIT_TIMEOUT and the ranks that did not answer.
+    """
     try:
         _run_rank(cfg, eval_only, dry_run)
     except Exception as error:
-        _log_traceback(error)
+        from distribuuuu.distributed import peer_failure
+
+        lost = peer_failure(error)
+        _log_traceback(lost or error)
+        if lost is not None:
+            raise lost from error
         raise
 
 
@@ -187,6 +196,16 @@ def check_weights(
         raise ConfigError(f"MODEL.WEIGHTS {error}") from error
 
 
+def check_launch() -> None:
+    """Refuse a launch that cannot work (srun forgotten in a batch script)."""
+    from distribuuuu.distributed import LaunchError, detect_launch
+
+    try:
+        detect_launch()
+    except LaunchError as error:
+        raise ConfigError(str(error)) from error
+
+
 def check_inputs(cfg, keep_out_dir: bool = True, eval_only: bool = False) -> None:
     """Check what ``cfg`` names, before anything is written; raise ConfigError.
 
@@ -228,6 +247,7 @@ _PLAIN_ERRORS = {
     "DiskFullError",
     "DistributedSetupError",
     "FileNotFoundError",
+    "PeerLostError",
 }
 _TYPE_NAME = re.compile(r"^[A-Za-z_][\w.]*$")
 
@@ -300,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(format_cfg(cfg), end="")
             return 0
+        check_launch()
         check_inputs(cfg, keep_out_dir=not args.dry_run, eval_only=args.eval_only)
     except ConfigError as error:
         return _fail(error, 2, args.debug)
@@ -312,7 +333,7 @@ def launch(cfg, args: argparse.Namespace) -> int:
     """Run ``cfg`` in this process or ``--num-procs`` ones; return the exit code."""
     import torch.multiprocessing as mp
 
-    from distribuuuu.distributed import DistributedSetupError
+    from distribuuuu.distributed import DistributedSetupError, PeerLostError
     from distribuuuu.launch import spawn
 
     try:
@@ -323,7 +344,7 @@ def launch(cfg, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130
-    except DistributedSetupError as error:  # names its rank: every rank reports
+    except (DistributedSetupError, PeerLostError) as error:  # every rank reports
         return _fail(error, 1, args.debug, every_rank=True)
     except mp.ProcessRaisedException as error:
         where = f"process {error.error_index} of {args.num_procs} failed"
