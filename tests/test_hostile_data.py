@@ -20,14 +20,21 @@ import pytest
 import torch
 from conftest import assert_ok, run, train_net
 from PIL import Image
-from test_hostile import LENET, folder_args, make_image_folder, trained_out_dir
+from test_hostile import (
+    LENET,
+    folder_args,
+    make_image_folder,
+    out_dir,
+    run_hostile,
+    trained_out_dir,
+)
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from distribuuuu.config import load_cfg
 from distribuuuu.data import DataError, build_dataset, check_data, image_reader
 from distribuuuu.tools import predict
 
-__all__ = ["trained_out_dir"]  # the fixture, imported from test_hostile
+__all__ = ["out_dir", "trained_out_dir"]  # fixtures, from test_hostile
 
 REPO = Path(__file__).resolve().parents[1]
 CLASSES, PER_CLASS = 2, 3  # make_image_folder(root, CLASSES, PER_CLASS)
@@ -93,6 +100,14 @@ def test_a_link_loop_counts_each_image_once(tmp_path):
         labels = [label for _, label in dataset.samples]
         assert labels == [0] * PER_CLASS + [1] * PER_CLASS
         assert all(os.path.dirname(path).endswith(("c00", "c01")) for path in paths)
+
+
+@pytest.mark.parametrize("target", [".", ".."])
+def test_a_class_folder_linked_to_its_split_is_refused(out_dir, tmp_path, target):
+    root = make_image_folder(tmp_path / "data", CLASSES, PER_CLASS)
+    link(root / "val" / "c09", target)  # every image of val again, or of all
+    words = [str(root / "val" / "c09"), "link back", "loop"]
+    run_hostile(out_dir, [*LENET, *folder_args(root)], 2, words)
 
 
 def test_a_folder_linked_in_is_followed_once(tmp_path):

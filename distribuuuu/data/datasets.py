@@ -262,26 +262,23 @@ def decode_image_file(path: str) -> torch.Tensor:
     return _read_image(path, as_tensor=True)
 
 
-def walk_folder(top: str) -> Iterator[tuple[str, list[str]]]:
+def walk_folder(top: str, within: str | None = None) -> Iterator[tuple[str, list[str]]]:
     """Each folder under ``top``, ``top`` first, with the names of its files.
 
     Depth first, in sorted order.  Links to folders are followed (data sets
     are often linked into place), but a folder is entered once only: a link
-    to a folder already walked, or to one that holds ``top``, is skipped
-    (tracked by device and inode), so that a link loop ends at once and each
-    file is listed once.  Folders that cannot be listed are skipped, as
-    ``os.walk`` does.
+    to a folder already walked, or to one that holds ``top`` (or ``within``,
+    the split of a class folder ``top``), is skipped, tracked by device and
+    inode; so a link loop ends at once and each file is listed once.  Folders
+    that cannot be listed are skipped, as ``os.walk`` does.
     """
-    try:
-        entered = {_folder_id(top)}
-    except OSError:
-        return
-    # The folders holding ``top``: a link to one of them would walk ``top`` again.
-    parent = os.path.realpath(top)
-    while os.path.dirname(parent) != parent:
-        parent = os.path.dirname(parent)
-        with contextlib.suppress(OSError):
-            entered.add(_folder_id(parent))
+    holders = _holding_folders(top)
+    if within is not None:
+        holders |= _holding_folders(within) | _folder_ids([within])
+    entered = _folder_ids([top])
+    if not entered or entered & holders:
+        return  # missing, or a link to a folder holding it: nothing to walk
+    entered |= holders
     todo = [top]
     while todo:
         folder = todo.pop()
@@ -294,20 +291,29 @@ def walk_folder(top: str) -> Iterator[tuple[str, list[str]]]:
         below = []
         for name in (name for name, is_folder in listed if is_folder):
             path = os.path.join(folder, name)
-            try:
-                folder_id = _folder_id(path)
-            except OSError:
-                continue
-            if folder_id not in entered:
-                entered.add(folder_id)
-                below.append(path)
+            new = _folder_ids([path]) - entered
+            entered |= new
+            below += [path] if new else []
         todo += reversed(below)
 
 
-def _folder_id(path: str) -> tuple[int, int]:
-    """(device, inode) of the folder at ``path``, links followed."""
-    stat = os.stat(path)
-    return stat.st_dev, stat.st_ino
+def _holding_folders(path: str) -> set[tuple[int, int]]:
+    """(device, inode) of every folder above ``path`` (links resolved)."""
+    real, parents = os.path.realpath(path), []
+    while os.path.dirname(real) != real:
+        real = os.path.dirname(real)
+        parents.append(real)
+    return _folder_ids(parents)
+
+
+def _folder_ids(paths: list[str]) -> set[tuple[int, int]]:
+    """(device, inode) of each folder in ``paths`` that can be reached."""
+    found = set()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            stat = os.stat(path)
+            found.add((stat.st_dev, stat.st_ino))
+    return found
 
 
 def _is_folder(entry: os.DirEntry) -> bool:
@@ -318,20 +324,21 @@ def _is_folder(entry: os.DirEntry) -> bool:
         return False
 
 
-def find_image_files(top: str) -> list[str]:
+def find_image_files(top: str, within: str | None = None) -> list[str]:
     """Paths of the image files (by extension) under ``top``, folder by folder
-    in sorted order (the order of torchvision's ImageFolder), each file once."""
+    in sorted order (the order of torchvision's ImageFolder), each file once
+    (see :func:`walk_folder`)."""
     return [
         os.path.join(folder, name)
-        for folder, names in sorted(walk_folder(top))
+        for folder, names in sorted(walk_folder(top, within))
         for name in names
         if has_file_allowed_extension(name, IMG_EXTENSIONS)
     ]
 
 
-def _holds_image(directory: str) -> bool:
+def _holds_image(directory: str, within: str) -> bool:
     """True when ``directory`` or a folder below it has an image file name."""
-    for _, names in walk_folder(directory):
+    for _, names in walk_folder(directory, within):
         if any(has_file_allowed_extension(n, IMG_EXTENSIONS) for n in names):
             return True
     return False
@@ -341,19 +348,28 @@ def find_image_classes(path: str, key: str) -> list[str]:
     """The class folders of an ImageFolder split, in label order.
 
     Raises a DataError naming ``key`` and the folder when ``path`` has no
-    class folders or a class folder holds no image file.
+    class folders, a class folder holds no image file or links back to
+    ``path`` or a folder above it.
     """
     try:
         with os.scandir(path) as entries:
-            classes = sorted(entry.name for entry in entries if entry.is_dir())
+            classes = sorted(entry.name for entry in entries if _is_folder(entry))
     except OSError as error:
         raise DataError(f"{key} {path}: cannot list it ({error.strerror})") from error
     if not classes:
         raise DataError(
             f"{key} {path}: no class folders; expected {path}/<class>/<image>"
         )
+    holders = _holding_folders(path) | _folder_ids([path])
     for name in classes:
-        if not _holds_image(os.path.join(path, name)):
+        folder = os.path.join(path, name)
+        if _folder_ids([folder]) & holders:
+            raise DataError(
+                f"{key}: class folder {folder} is a link back to "
+                f"{os.path.realpath(folder)}, the split folder or one above it "
+                "(a loop)"
+            )
+        if not _holds_image(folder, path):
             raise DataError(
                 f"{key}: empty class folder {os.path.join(path, name)}: no image "
                 f"files ({', '.join(IMG_EXTENSIONS)})"
@@ -398,7 +414,7 @@ class CheckedImageFolder(ImageFolder):
         return [
             (path, label)
             for name, label in sorted(class_to_idx.items())
-            for path in find_image_files(os.path.join(directory, name))
+            for path in find_image_files(os.path.join(directory, name), directory)
         ]
 
 
