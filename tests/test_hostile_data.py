@@ -141,6 +141,7 @@ def two_self_links(tmp_path) -> Path:
     return root
 
 
+@pytest.mark.slow  # a new interpreter importing torch
 def test_two_self_links_do_not_hang_the_run(two_self_links, tmp_path):
     """The pre-flight check and the data set build of a real command (a dry
     run builds both data sets and runs a step) end in seconds."""
@@ -154,6 +155,7 @@ def test_two_self_links_do_not_hang_the_run(two_self_links, tmp_path):
     assert not out.exists()  # a dry run writes nothing
 
 
+@pytest.mark.slow  # a new interpreter importing torch
 def test_two_self_links_do_not_hang_predict(two_self_links, trained_out_dir):
     weights = str(trained_out_dir / "best.pth")
     folder = str(two_self_links / "train")
@@ -192,6 +194,7 @@ def test_both_decoders_refuse_a_decompression_bomb(bombs, decoder):
             read(str(bomb))
 
 
+@pytest.mark.slow  # a new interpreter importing torch
 def test_a_decompression_bomb_is_refused_before_decoding(bombs):
     """In a fresh process, neither decoder adds 100 MB to its peak memory
     (the 20000 x 20000 image would take 1.2 GB as a tensor)."""
