@@ -5,12 +5,14 @@
         [KEY VALUE ...] IMAGE_OR_FOLDER ...
 
 Folders are searched recursively for image files (by extension), in sorted
-order.  The model, its classes and the evaluation transforms come from the cfg
-saved in W, overridden by --cfg and KEY VALUE (KEY: an upper-case config key
-such as TRAIN.IM_SIZE).  One line per image: ``path  name (prob)  ...``, or one
-JSON object per line with --json.  Runs on CUDA when available (``--device
-cpu`` forces the CPU).  Exit codes: 0 done; 2 unusable weights, config or image
-(missing, unreadable, none found), with one ``error:`` line on stderr.
+order; links to folders are followed, but no folder is searched twice (a link
+loop ends at once).  The model, its classes and the evaluation transforms come
+from the cfg saved in W, overridden by --cfg and KEY VALUE (KEY: an upper-case
+config key such as TRAIN.IM_SIZE).  One line per image: ``path  name (prob)
+...``, or one JSON object per line with --json.  Runs on CUDA when available
+(``--device cpu`` forces the CPU).  Exit codes: 0 done; 2 unusable weights,
+config or image (missing, unreadable, too many pixels, none found), with one
+``error:`` line on stderr.
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from distribuuuu.config import ConfigError
-from distribuuuu.data import DataError, build_test_transform, image_reader
+from distribuuuu.data import (
+    DataError,
+    build_test_transform,
+    find_image_files,
+    image_reader,
+)
 from distribuuuu.inference import CheckpointError, load_for_inference
 
 # A config key on the command line: MODEL.ARCH, OUT_DIR, TRAIN.IM_SIZE, ...
@@ -88,12 +94,7 @@ def find_images(inputs: list[str]) -> list[str]:
     found = []
     for path in inputs:
         if os.path.isdir(path):
-            found += sorted(
-                os.path.join(root, name)
-                for root, _, names in os.walk(path, followlinks=True)
-                for name in names
-                if has_file_allowed_extension(name, IMG_EXTENSIONS)
-            )
+            found += sorted(find_image_files(path))
         elif os.path.isfile(path):
             found.append(path)
         else:

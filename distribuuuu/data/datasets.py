@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import logging
 import os
+import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -138,12 +141,96 @@ def load_cifar(name: str, root: str, train: bool, download: bool):
     return images, torch.tensor(data.targets, dtype=torch.int64), list(data.classes)
 
 
-def load_image(path: str) -> Image.Image:
-    """Read the image file at ``path`` as RGB; a DataError names an unreadable one."""
+# Formats that the tensor decoder hands to ``torchvision.io`` (PIL's names for
+# them; MPO is a JPEG with extra pictures).  GIF goes through PIL, which reads
+# its first frame only: torchvision returns every frame of an animated GIF.
+_TORCHVISION_FORMATS = ("JPEG", "MPO", "PNG", "WEBP")
+# PIL modes of 16-bit single-channel images (a 16-bit grey PNG opens as I;16).
+_SIXTEEN_BIT_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")
+
+
+def max_image_pixels() -> int | None:
+    """The most pixels (width x height) an image file may have; None: no limit.
+
+    One limit for both decoders: PIL's ``Image.MAX_IMAGE_PIXELS`` (89,478,485,
+    about 9459 x 9459), read when a file is opened.  PIL itself only warns up
+    to twice that; here a larger image is refused before its pixels are
+    decoded, since a few hundred kilobytes of PNG can hold gigabytes of them.
+    """
+    return Image.MAX_IMAGE_PIXELS
+
+
+def _open_header(source, path: str) -> Image.Image:
+    """PIL's image of ``source`` with only its header read, within the pixel limit."""
+    limit = max_image_pixels()
+    too_large = f"the limit of {limit} pixels for one image (a decompression bomb?)"
+    try:
+        with warnings.catch_warnings():
+            # Between the limit and twice it PIL only warns; refused below.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(source)
+    except Image.DecompressionBombError as error:
+        # PIL refuses twice the limit itself; its message holds the pixel count.
+        count = re.search(r"\((\d+) pixels\)", str(error))
+        size = f"{count.group(1)} pixels" if count else "too many pixels"
+        raise DataError(
+            f"cannot read image {path}: {size}, more than {too_large}"
+        ) from error
+    width, height = image.size
+    if limit is not None and width * height > limit:
+        raise DataError(
+            f"cannot read image {path}: {width} x {height} pixels, more than "
+            + too_large
+        )
+    return image
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """``image`` as 8-bit RGB; 16-bit grey is scaled (not clipped) to 0-255."""
+    if image.mode in _SIXTEEN_BIT_MODES:
+        pixels = np.asarray(image).astype(np.int64).clip(0, 65535)
+        image = Image.fromarray(_sixteen_to_eight_bits(pixels).astype(np.uint8))
+    return image.convert("RGB")
+
+
+def _sixteen_to_eight_bits(pixels):
+    """16-bit values (an int64 array or int32 tensor) as 0-255: v * 255 / 65535,
+    rounded to the nearest integer."""
+    return (pixels * 255 + 32767) // 65535
+
+
+def _decode_with_torchvision(data: bytes) -> torch.Tensor | None:
+    """The encoded image ``data`` as an RGB uint8 tensor; None if refused."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            image = decode_image(encoded, mode=ImageReadMode.RGB)
+    except (RuntimeError, ValueError):
+        return None  # not a variant torchvision decodes, or damaged: PIL decides
+    if image.dtype == torch.uint16:  # 16-bit PNGs
+        image = _sixteen_to_eight_bits(image.to(torch.int32)).to(torch.uint8)
+    return image if image.dtype == torch.uint8 and image.dim() == 3 else None
+
+
+def _read_image(path: str, as_tensor: bool) -> Image.Image | torch.Tensor:
+    """The image file at ``path`` as RGB (see :func:`load_image`,
+    :func:`decode_image_file`); a DataError names an unreadable one."""
     try:
         with open(path, "rb") as f:
-            image = Image.open(f)
-            return image.convert("RGB")
+            image = _open_header(f, path)  # before any pixel is decoded
+            if not as_tensor:
+                return _to_rgb(image)
+            if decode_image is not None and image.format in _TORCHVISION_FORMATS:
+                f.seek(0)
+                data = f.read()
+                decoded = _decode_with_torchvision(data)
+                if decoded is not None:
+                    return decoded
+                image = _open_header(io.BytesIO(data), path)
+            return pil_to_tensor(_to_rgb(image))
+    except DataError:
+        raise
     except UnidentifiedImageError:
         reason = "not an image format PIL can read"
     except Exception as error:  # PIL raises many types for damaged files
@@ -151,31 +238,107 @@ def load_image(path: str) -> Image.Image:
     raise DataError(f"cannot read image {path}: {reason}")
 
 
+def load_image(path: str) -> Image.Image:
+    """Read the image file at ``path`` as an RGB PIL image.
+
+    A DataError names a file that is unreadable or has more pixels than
+    :func:`max_image_pixels` (checked from its header, before decoding).
+    16-bit images are scaled to 8 bits.
+    """
+    return _read_image(path, as_tensor=False)
+
+
 def decode_image_file(path: str) -> torch.Tensor:
     """Read the image file at ``path`` as an RGB uint8 tensor (3 x H x W).
 
-    JPEG, PNG, WebP and GIF are decoded by ``torchvision.io`` (libjpeg-turbo
+    JPEG, PNG and WebP are decoded by ``torchvision.io`` (libjpeg-turbo
     for JPEG, as in Pillow's wheels), which hands the pixels over as a tensor
     without a PIL image in between; with the tensor transforms after it, the
     loader gives 1.2-1.7x the images per second of PIL's (``tools/benchmark.py``
-    on 2 CPU cores).  Other formats, and files it refuses, go through PIL
-    (:func:`load_image`), which raises the DataError naming a damaged file.
+    on 2 CPU cores).  Other formats, and files it refuses, go through PIL.
+    PIL reads the header first in every case, so the pixel limit and the
+    errors are those of :func:`load_image`; 16-bit PNGs are scaled to 8 bits.
     """
-    if decode_image is not None:
+    return _read_image(path, as_tensor=True)
+
+
+def walk_folder(top: str, within: str | None = None) -> Iterator[tuple[str, list[str]]]:
+    """Each folder under ``top``, ``top`` first, with the names of its files.
+
+    Depth first, in sorted order.  Links to folders are followed (data sets
+    are often linked into place), but a folder is entered once only: a link
+    to a folder already walked, or to one that holds ``top`` (or ``within``,
+    the split of a class folder ``top``), is skipped, tracked by device and
+    inode; so a link loop ends at once and each file is listed once.  Folders
+    that cannot be listed are skipped, as ``os.walk`` does.
+    """
+    holders = _holding_folders(top)
+    if within is not None:
+        holders |= _holding_folders(within) | _folder_ids([within])
+    entered = _folder_ids([top])
+    if not entered or entered & holders:
+        return  # missing, or a link to a folder holding it: nothing to walk
+    entered |= holders
+    todo = [top]
+    while todo:
+        folder = todo.pop()
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                image = decode_image(path, mode=ImageReadMode.RGB)
-            if image.dtype == torch.uint8:  # 16-bit PNGs come as uint16
-                return image
-        except (RuntimeError, ValueError):
-            pass  # not a format torchvision decodes, or damaged: PIL decides
-    return pil_to_tensor(load_image(path))
+            with os.scandir(folder) as entries:
+                listed = sorted((entry.name, _is_folder(entry)) for entry in entries)
+        except OSError:
+            continue
+        yield folder, [name for name, is_folder in listed if not is_folder]
+        below = []
+        for name in (name for name, is_folder in listed if is_folder):
+            path = os.path.join(folder, name)
+            new = _folder_ids([path]) - entered
+            entered |= new
+            below += [path] if new else []
+        todo += reversed(below)
 
 
-def _holds_image(directory: str) -> bool:
+def _holding_folders(path: str) -> set[tuple[int, int]]:
+    """(device, inode) of every folder above ``path`` (links resolved)."""
+    real, parents = os.path.realpath(path), []
+    while os.path.dirname(real) != real:
+        real = os.path.dirname(real)
+        parents.append(real)
+    return _folder_ids(parents)
+
+
+def _folder_ids(paths: list[str]) -> set[tuple[int, int]]:
+    """(device, inode) of each folder in ``paths`` that can be reached."""
+    found = set()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            stat = os.stat(path)
+            found.add((stat.st_dev, stat.st_ino))
+    return found
+
+
+def _is_folder(entry: os.DirEntry) -> bool:
+    """True for a folder or a link to one (False for a link that cannot resolve)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def find_image_files(top: str, within: str | None = None) -> list[str]:
+    """Paths of the image files (by extension) under ``top``, folder by folder
+    in sorted order (the order of torchvision's ImageFolder), each file once
+    (see :func:`walk_folder`)."""
+    return [
+        os.path.join(folder, name)
+        for folder, names in sorted(walk_folder(top, within))
+        for name in names
+        if has_file_allowed_extension(name, IMG_EXTENSIONS)
+    ]
+
+
+def _holds_image(directory: str, within: str) -> bool:
     """True when ``directory`` or a folder below it has an image file name."""
-    for _, _, names in os.walk(directory, followlinks=True):
+    for _, names in walk_folder(directory, within):
         if any(has_file_allowed_extension(n, IMG_EXTENSIONS) for n in names):
             return True
     return False
@@ -185,19 +348,28 @@ def find_image_classes(path: str, key: str) -> list[str]:
     """The class folders of an ImageFolder split, in label order.
 
     Raises a DataError naming ``key`` and the folder when ``path`` has no
-    class folders or a class folder holds no image file.
+    class folders, a class folder holds no image file or links back to
+    ``path`` or a folder above it.
     """
     try:
         with os.scandir(path) as entries:
-            classes = sorted(entry.name for entry in entries if entry.is_dir())
+            classes = sorted(entry.name for entry in entries if _is_folder(entry))
     except OSError as error:
         raise DataError(f"{key} {path}: cannot list it ({error.strerror})") from error
     if not classes:
         raise DataError(
             f"{key} {path}: no class folders; expected {path}/<class>/<image>"
         )
+    holders = _holding_folders(path) | _folder_ids([path])
     for name in classes:
-        if not _holds_image(os.path.join(path, name)):
+        folder = os.path.join(path, name)
+        if _folder_ids([folder]) & holders:
+            raise DataError(
+                f"{key}: class folder {folder} is a link back to "
+                f"{os.path.realpath(folder)}, the split folder or one above it "
+                "(a loop)"
+            )
+        if not _holds_image(folder, path):
             raise DataError(
                 f"{key}: empty class folder {os.path.join(path, name)}: no image "
                 f"files ({', '.join(IMG_EXTENSIONS)})"
@@ -227,6 +399,23 @@ class CheckedImageFolder(ImageFolder):
         """Class names and their labels; every class folder holds an image."""
         classes = find_image_classes(directory, self.key)
         return classes, {name: label for label, name in enumerate(classes)}
+
+    def make_dataset(
+        self,
+        directory: str,
+        class_to_idx: dict[str, int],
+        extensions: tuple[str, ...] | None = None,
+        is_valid_file: Callable[[str], bool] | None = None,
+        allow_empty: bool = False,
+    ) -> list[tuple[str, int]]:
+        """(path, label) of every image file, each once (see :func:`walk_folder`);
+        torchvision's own walk would follow a link loop until the path is too
+        long, or for ever."""
+        return [
+            (path, label)
+            for name, label in sorted(class_to_idx.items())
+            for path in find_image_files(os.path.join(directory, name), directory)
+        ]
 
 
 class SkipUnreadable(Dataset):
