@@ -214,6 +214,7 @@ _PLAIN_ERRORS = {
     "DataError",
     "DistributedSetupError",
     "FileNotFoundError",
+    "NonFiniteError",
 }
 _TYPE_NAME = re.compile(r"^[A-Za-z_][\w.]*$")
 
