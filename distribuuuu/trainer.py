@@ -230,8 +230,8 @@ class NonFiniteError(RuntimeError):
 
 
 _NONFINITE_ADVICE = (
-    "lower OPTIM.BASE_LR or set OPTIM.CLIP_GRAD_NORM (and check that "
-    "MODEL.WEIGHTS, if set, holds finite values), then run again"
+    "lower OPTIM.BASE_LR or set OPTIM.CLIP_GRAD_NORM, and check that "
+    "MODEL.WEIGHTS (if set) holds finite values"
 )
 
 
