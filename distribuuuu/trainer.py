@@ -6,11 +6,12 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import os
 import random
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from yacs.config import CfgNode
 
@@ -220,6 +222,52 @@ class TrainState:
     classes: list[str]  # class names in label order, saved with the weights
     ema: ModelEma | None = None  # moving average of the weights (MODEL.EMA)
     data_watch: DataBoundWatch = field(default_factory=DataBoundWatch)
+
+
+class NonFiniteError(RuntimeError):
+    """The training loss or the weights became NaN or infinite; the run stops
+    and nothing non-finite is saved."""
+
+
+_NONFINITE_ADVICE = (
+    "lower OPTIM.BASE_LR or set OPTIM.CLIP_GRAD_NORM, and check that "
+    "MODEL.WEIGHTS (if set) holds finite values"
+)
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every floating-point value of ``tensors`` is finite on every rank.
+
+    A collective: each rank checks what it stores (its shard of a DTensor)
+    and the answer is agreed over all ranks.  One host synchronization, so
+    call it at saves and print steps, not at every step.
+    """
+    flags = [
+        torch.isfinite(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
+        .all()
+        .detach()
+        for tensor in tensors
+        if tensor.is_floating_point()
+    ]
+    local = bool(torch.stack(flags).all()) if flags else True
+    return du.all_reduce_max_int(int(not local)) == 0
+
+
+def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers of a (wrapped) model, as this rank holds them."""
+    module = unwrap_model(model)
+    return [*module.parameters(), *module.buffers()]
+
+
+def _check_saved_weights_finite(run: TrainState, what: str) -> None:
+    """Raise NonFiniteError (on every rank) unless the model and its EMA are
+    finite; ``what`` says where the run stands, for the message."""
+    ema = [] if run.ema is None else list(run.ema.tensors().values())
+    if not all_finite([*_model_tensors(run.model), *ema]):
+        raise NonFiniteError(
+            f"the weights became nan or inf by {what}; they were not saved; "
+            + _NONFINITE_ADVICE
+        )
 
 
 def plan_batches(cfg: CfgNode, world_size: int, saved: dict | None) -> BatchPlan:
@@ -435,7 +483,37 @@ def _log_train(cfg, run, meter, step, steps, lr, elapsed, data_time) -> dict:
         "train/data_ms": 1000 * data_time,
     }
     run.writer.write(record, scalars, epoch * steps + step + 1)
+    if not math.isfinite(stats["loss"]):
+        _nonfinite_loss(run, stats, step)
     return stats
+
+
+def _nonfinite_loss(run: TrainState, stats: dict, step: int) -> None:
+    """The window's loss (summed over all ranks, so the same on every rank) is
+    NaN or inf: raise NonFiniteError, unless a GradScaler skipped those steps.
+
+    With fp16 loss scaling a step whose gradients overflow is skipped and the
+    weights stay as they were: a non-finite loss then is a warning as long as
+    the weights are finite.  Without it the step has already spoiled them.
+    """
+    epoch = run.progress.epoch + 1
+    if run.scaler.is_enabled() and all_finite(_model_tensors(run.model)):
+        logger.warning(
+            "the training loss was %s in epoch %d up to iteration %d; the "
+            "GradScaler skipped those steps and the weights are finite; if this "
+            "repeats, the fp16 forward pass overflows: use TRAIN.MIXED_PRECISION "
+            "bf16 or none",
+            stats["loss"],
+            epoch,
+            step + 1,
+        )
+        return
+    window = max(stats["samples"] // run.plan.global_batch, 1)
+    earlier = f" (or earlier, from iteration {step + 2 - window})" * (window > 1)
+    raise NonFiniteError(
+        f"the training loss became {stats['loss']} at epoch {epoch}, iteration "
+        f"{step + 1}{earlier}; nothing non-finite was saved; " + _NONFINITE_ADVICE
+    )
 
 
 def _throughput(cfg: CfgNode, world_size: int, samples: int, elapsed: float) -> dict:
@@ -543,6 +621,10 @@ def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
     """Gather every rank's RNG state; rank 0 writes the checkpoint of the run."""
     progress, plan = run.progress, run.plan
     step = progress.consumed // plan.global_batch
+    where = f"epoch {progress.epoch + 1}, iteration {step}"
+    if step == 0:
+        where = f"the end of epoch {progress.epoch}"
+    _check_saved_weights_finite(run, where)
     # The EMA goes with the model: into the shards, or whole into the file.
     ema = {} if run.ema is None else {"ema": run.ema.tensors()}
     if is_sharded(run.model):  # every rank writes its shards, nothing gathered
@@ -1011,6 +1093,14 @@ def _log_eval_and_save(
     scalars, best_ema.pth.
     """
     progress, epoch = run.progress, run.progress.epoch
+    # Before anything counts as best: the model holds the weights evaluated
+    # (the EMA's with ``ema``), whose scores mean nothing if they are not finite.
+    kind = "EMA weights (MODEL.EMA)" if ema else "weights"
+    if not all_finite(_model_tensors(run.model)):
+        raise NonFiniteError(
+            f"the {kind} evaluated after epoch {epoch} hold nan or inf; they were "
+            "not saved and do not count as best; " + _NONFINITE_ADVICE
+        )
     topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
     split = "val_ema" if ema else "val"
     best = progress.best_ema_top1 if ema else progress.best_top1

@@ -247,6 +247,7 @@ _PLAIN_ERRORS = {
     "DiskFullError",
     "DistributedSetupError",
     "FileNotFoundError",
+    "NonFiniteError",
     "PeerLostError",
 }
 _TYPE_NAME = re.compile(r"^[A-Za-z_][\w.]*$")
