@@ -231,7 +231,9 @@ def check_batch_fits(cfg, world_size: int) -> None:
         images = _TRAIN_IMAGES[name]
     per_process = -(-images // world_size)  # the sampler pads to the world size
     if per_process < step:
-        each = f"each of the {world_size} processes" if world_size > 1 else "a run"
+        each = "the one process"
+        if world_size > 1:
+            each = f"each of the {world_size} processes"
         raise ConfigError(
             f"TRAIN.BATCH_SIZE {cfg.TRAIN.BATCH_SIZE} x TRAIN.ACCUM_STEPS "
             f"{cfg.TRAIN.ACCUM_STEPS}: a step of {step} images, more than the "
@@ -240,19 +242,15 @@ def check_batch_fits(cfg, world_size: int) -> None:
         )
 
 
-def _checkpoints_in(out_dir: str) -> list[str]:
-    """The checkpoints and best weights that a run in ``out_dir`` would write over."""
+def _checkpoints_in(out_dir: str) -> tuple[list[str], list[str]]:
+    """The checkpoints (``checkpoints/ckpt_*``) and best weights in ``out_dir``."""
     from distribuuuu import checkpoint as cp
 
-    found = []
     directory = os.path.join(out_dir, cp.CHECKPOINT_DIR)
-    if os.path.isdir(directory):
-        names = sorted(os.listdir(directory))
-        found += [os.path.join(directory, n) for n in names if n.startswith("ckpt_")]
-    for name in (cp.BEST_WEIGHTS, cp.BEST_EMA_WEIGHTS):
-        if os.path.lexists(os.path.join(out_dir, name)):
-            found.append(os.path.join(out_dir, name))
-    return found
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    checkpoints = [os.path.join(directory, n) for n in names if n.startswith("ckpt_")]
+    best = [os.path.join(out_dir, n) for n in (cp.BEST_WEIGHTS, cp.BEST_EMA_WEIGHTS)]
+    return checkpoints, [path for path in best if os.path.lexists(path)]
 
 
 def check_inputs(
@@ -283,7 +281,8 @@ def check_inputs(
             cfg.MODEL.WEIGHTS, cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, finetune
         )
     if not eval_only:
-        found = _checkpoints_in(cfg.OUT_DIR)
+        checkpoints, best = _checkpoints_in(cfg.OUT_DIR)
+        found = checkpoints + best
         if found and not cfg.TRAIN.AUTO_RESUME and not dry_run:
             raise ConfigError(
                 f"TRAIN.AUTO_RESUME False: OUT_DIR {cfg.OUT_DIR} already holds "
@@ -291,7 +290,7 @@ def check_inputs(
                 f"{', ...' * (len(found) > 1)}), which a new run would overwrite; use "
                 "a fresh OUT_DIR, or TRAIN.AUTO_RESUME True to continue that run"
             )
-        if not (found and cfg.TRAIN.AUTO_RESUME):
+        if not (checkpoints and cfg.TRAIN.AUTO_RESUME):
             check_batch_fits(cfg, world_size)
     check_out_dir(cfg.OUT_DIR, keep_out_dir)
 
