@@ -16,6 +16,7 @@ import contextlib
 import difflib
 import inspect
 import logging
+import math
 import os
 import re
 import sys
@@ -386,6 +387,11 @@ def _coerce(key: str, value: Any, default: Any, where: str) -> Any:
     def bad(expected: str) -> ConfigError:
         return ConfigError(f"{where}{key}: expected {expected}, got {value!r}")
 
+    # Every key, lists included: inf and nan (1e999, .inf, .nan) are no setting.
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(item, float) and not math.isfinite(item) for item in items):
+        raise bad("a finite number")
+
     if default is None or key in _NULLABLE:
         if value is None or (
             isinstance(value, str) and value.lower() in ("none", "null")
@@ -460,6 +466,75 @@ def _flatten(mapping: dict, prefix: str = "") -> list[tuple[str, Any]]:
     return items
 
 
+# Bounds of a yaml config (a --cfg file, a _BASE_, the cfg dump of a
+# checkpoint): the defaults dump to about 6 KB, 3 levels and 500 values.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_DEPTH = 64
+# Values after expanding aliases (*name): a few nested aliases of a small
+# file would otherwise expand to billions ("billion laughs").
+MAX_YAML_NODES = 100_000
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml's SafeLoader with bounded nesting and alias expansion.
+
+    Checked while the document is composed, before any value is built: each
+    node's depth and size count what its aliases stand for, so the limits
+    hold for the expanded document that callers walk.
+    """
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._nesting = 0
+        self._expanded: dict[int, tuple[yaml.Node, int, int]] = {}
+
+    def compose_node(self, parent, index):
+        self._nesting += 1
+        if self._nesting > MAX_YAML_DEPTH:
+            raise ConfigError(f"nested deeper than {MAX_YAML_DEPTH} levels")
+        alias = self.check_event(yaml.AliasEvent)
+        node = super().compose_node(parent, index)
+        self._nesting -= 1
+        if alias:  # the anchored node again, complete unless it holds the alias
+            if id(node) not in self._expanded:
+                raise ConfigError("an alias (*name) inside the value it names")
+            return node
+        children: list = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        sizes = [self._expanded[id(child)] for child in children]
+        depth = 1 + max((d for _, d, _ in sizes), default=0)
+        size = 1 + sum(n for _, _, n in sizes)
+        if depth > MAX_YAML_DEPTH:
+            raise ConfigError(
+                f"its aliases (*name) expand to more than {MAX_YAML_DEPTH} levels"
+            )
+        if size > MAX_YAML_NODES:
+            raise ConfigError(
+                f"more than {MAX_YAML_NODES} values once its aliases (*name) are "
+                "expanded"
+            )
+        self._expanded[id(node)] = (node, depth, size)
+        return node
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse yaml ``text`` (at most MAX_YAML_BYTES) safely and with bounds.
+
+    Raises ConfigError for a text too large, too deep or whose aliases
+    expand too far, and yaml.YAMLError for invalid yaml.
+    """
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_YAML_BYTES:
+        raise ConfigError(f"larger than {MAX_YAML_BYTES // 1024} KiB")
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def _read_yaml(path: str) -> dict:
     """Read a yaml config file as a mapping, refusing anything else."""
     if os.path.isdir(path):
@@ -471,11 +546,18 @@ def _read_yaml(path: str) -> dict:
         )
     if not os.path.isfile(path):
         raise ConfigError(f"--cfg {path}: no such file")
+    if os.path.getsize(path) > MAX_YAML_BYTES:
+        raise ConfigError(
+            f"--cfg {path}: larger than {MAX_YAML_BYTES // 1024} KiB; a config "
+            "file holds a few keys"
+        )
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = parse_yaml(f.read(MAX_YAML_BYTES + 1))
     except UnicodeDecodeError:
         raise ConfigError(f"--cfg {path}: not a UTF-8 text file") from None
+    except ConfigError as e:
+        raise ConfigError(f"--cfg {path}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" (line {mark.line + 1})" if mark is not None else ""
@@ -540,6 +622,12 @@ def resolve_data_name(cfg: CfgNode) -> str:
     return cfg.DATA.NAME
 
 
+# Longest DIST.INIT_TIMEOUT in seconds (7 days): far beyond any start-up.
+MAX_INIT_TIMEOUT = 7 * 24 * 3600
+# CFG_DEST: a plain file name in OUT_DIR; no file of a run (log.txt, best.pth,
+# checkpoints/, tb/, metrics.jsonl, ...) ends in .yaml, so it cannot name one.
+_CFG_DEST = re.compile(r"[\w+-][\w.+-]{0,250}\.ya?ml")
+
 # Checks of single values: key -> (test, what is allowed).
 _RANGES = {
     "MODEL.NUM_CLASSES": (lambda v: v >= 1, "must be >= 1"),
@@ -588,14 +676,18 @@ _RANGES = {
     "OPTIM.WARMUP_EPOCHS": (lambda v: v >= 0, "must be >= 0"),
     "OPTIM.WEIGHT_DECAY": (lambda v: v >= 0, "must be >= 0"),
     "OPTIM.CLIP_GRAD_NORM": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "DIST.INIT_TIMEOUT": (lambda v: v > 0, "must be > 0 seconds"),
+    "DIST.INIT_TIMEOUT": (
+        lambda v: 0 < v <= MAX_INIT_TIMEOUT,
+        f"must be in (0, {MAX_INIT_TIMEOUT}] seconds (7 days)",
+    ),
     "CHECKPOINT.PERIOD": (lambda v: v >= 1, "must be >= 1"),
     "CHECKPOINT.KEEP": (lambda v: v >= 0, "must be >= 0 (0 keeps all)"),
     "CHECKPOINT.PERIOD_ITERS": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "OUT_DIR": (bool, "must name a directory"),
     "CFG_DEST": (
-        lambda v: bool(v) and os.path.basename(v) == v,
-        "must be a plain file name inside OUT_DIR",
+        lambda v: bool(_CFG_DEST.fullmatch(v)),
+        "must be a plain file name ending in .yaml or .yml (such as config.yaml), "
+        "which no other file of the run has",
     ),
     "RNG_SEED": (lambda v: v is None or 0 <= v < 2**32, "must be in [0, 2**32)"),
 }
@@ -799,19 +891,23 @@ def check_out_dir(out_dir: str, keep: bool = True) -> None:
         _remove_dirs(created)
         reason = error.strerror or str(error)
         raise ConfigError(f"OUT_DIR {out_dir}: cannot write there: {reason}") from error
+    except BaseException:  # Ctrl-C, a signal: leave nothing behind
+        _remove_dirs(created)
+        raise
     if not keep:
         _remove_dirs(created)
 
 
 def dump_cfg(cfg: CfgNode, out_dir: str | None = None) -> str:
-    """Write ``cfg`` to ``OUT_DIR/CFG_DEST`` (call on rank 0); return the path."""
-    out_dir = out_dir or cfg.OUT_DIR
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, cfg.CFG_DEST)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(cfg.dump())
-    os.replace(tmp, path)
+    """Write ``cfg`` to ``OUT_DIR/CFG_DEST`` (call on rank 0); return the path.
+
+    Atomic, as checkpoints are: a crash, a signal or a full disk leaves no
+    partial file.
+    """
+    from distribuuuu.checkpoint import atomic_write  # imports torch: at run time
+
+    path = os.path.join(out_dir or cfg.OUT_DIR, cfg.CFG_DEST)
+    atomic_write(path, lambda f: f.write(cfg.dump().encode("utf-8")))
     return path
 
 

@@ -22,6 +22,7 @@ from distribuuuu.config import (
     get_cfg,
     merge_from_file,
     merge_from_list,
+    parse_yaml,
     resolve_data_name,
 )
 from distribuuuu.models import build_model, is_model
@@ -106,7 +107,7 @@ def saved_cfg(ckpt: Checkpoint) -> CfgNode | None:
     if not isinstance(text, str):
         return None
     try:
-        return CfgNode.load_cfg(text)
+        return CfgNode(parse_yaml(text))  # bounded: a checkpoint is untrusted
     except Exception as error:  # yaml and yacs raise several types
         raise CheckpointError(f"{ckpt.path}: its cfg is unreadable ({error})") from None
 

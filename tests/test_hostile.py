@@ -265,9 +265,9 @@ def test_train_and_val_classes_differ(out_dir, tmp_path):
     run_hostile(out_dir, [*LENET, *folder_args(root)], 2, words)
 
 
-def corrupt_folder(root: Path) -> tuple[Path, Path]:
+def corrupt_folder(root: Path, per_class: int = 4) -> tuple[Path, Path]:
     """An image folder with a garbage file and a truncated JPEG in train."""
-    make_image_folder(root, 3)
+    make_image_folder(root, 3, per_class)
     garbage = root / "train" / "c01" / "2.jpg"
     garbage.write_bytes(b"this is not an image\n" * 4)
     truncated = root / "train" / "c02" / "0.jpg"
@@ -277,8 +277,10 @@ def corrupt_folder(root: Path) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("workers", ["0", "1"])
 def test_corrupt_image_stops_the_run_naming_the_file(out_dir, tmp_path, workers):
-    garbage, truncated = corrupt_folder(tmp_path / "data")
-    args = [*FOLDER_RUN, "TRAIN.WORKERS", workers, *folder_args(tmp_path / "data")]
+    # The trained run resumes for a second epoch, with its batch of 64 images.
+    garbage, truncated = corrupt_folder(tmp_path / "data", per_class=22)
+    args = [*LENET, "OPTIM.MAX_EPOCH", "2", "TRAIN.WORKERS", workers]
+    args += folder_args(tmp_path / "data")
     line = run_hostile(out_dir, args, 1, ["cannot read image"])
     assert str(garbage) in line or str(truncated) in line
     log = read_text(str(out_dir), "log.txt")

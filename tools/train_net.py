@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 import traceback
 
@@ -206,12 +207,63 @@ def check_launch() -> None:
         raise ConfigError(str(error)) from error
 
 
-def check_inputs(cfg, keep_out_dir: bool = True, eval_only: bool = False) -> None:
+# Training images of the data sets of a fixed size.
+_TRAIN_IMAGES = {"mnist5k": 4000, "cifar10": 50_000, "cifar100": 50_000}
+
+
+def check_batch_fits(cfg, world_size: int) -> None:
+    """Refuse a step (TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS) larger than the
+    training images each of ``world_size`` processes gets; raise ConfigError."""
+    from distribuuuu.data import count_images
+
+    step = cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS
+    name, where = cfg.DATA.NAME, ""
+    if name == "synthetic":
+        images = cfg.DATA.SYNTHETIC_SIZE[0]
+    elif name == "imagefolder":
+        root = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
+        images, where = count_images(root, step * world_size), f" in {root}"
+    else:
+        images = _TRAIN_IMAGES[name]
+    per_process = -(-images // world_size)  # the sampler pads to the world size
+    if per_process < step:
+        each = "the one process"
+        if world_size > 1:
+            each = f"each of the {world_size} processes"
+        raise ConfigError(
+            f"TRAIN.BATCH_SIZE {cfg.TRAIN.BATCH_SIZE} x TRAIN.ACCUM_STEPS "
+            f"{cfg.TRAIN.ACCUM_STEPS}: a step of {step} images, more than the "
+            f"{per_process} training images of {each} ({images} in all{where}); "
+            "lower TRAIN.BATCH_SIZE"
+        )
+
+
+def _checkpoints_in(out_dir: str) -> tuple[list[str], list[str]]:
+    """The checkpoints (``checkpoints/ckpt_*``) and best weights in ``out_dir``."""
+    from distribuuuu import checkpoint as cp
+
+    directory = os.path.join(out_dir, cp.CHECKPOINT_DIR)
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    checkpoints = [os.path.join(directory, n) for n in names if n.startswith("ckpt_")]
+    best = [os.path.join(out_dir, n) for n in (cp.BEST_WEIGHTS, cp.BEST_EMA_WEIGHTS)]
+    return checkpoints, [path for path in best if os.path.lexists(path)]
+
+
+def check_inputs(
+    cfg,
+    keep_out_dir: bool = True,
+    eval_only: bool = False,
+    world_size: int = 1,
+    dry_run: bool = False,
+) -> None:
     """Check what ``cfg`` names, before anything is written; raise ConfigError.
 
     The data folders, MODEL.WEIGHTS (whose head must fit when ``eval_only``,
-    MODEL.FINETUNE or not), then OUT_DIR (created, probed writable; removed
-    again unless ``keep_out_dir`` when this created it).
+    MODEL.FINETUNE or not), for training: the checkpoints already in OUT_DIR
+    (kept only by TRAIN.AUTO_RESUME) and the batch against the training images
+    of ``world_size`` processes (unless a checkpoint, whose batch wins, may be
+    resumed), then OUT_DIR (created, probed writable; removed again unless
+    ``keep_out_dir`` when this created it).
     """
     from distribuuuu.data import DataError, check_data
 
@@ -224,8 +276,20 @@ def check_inputs(cfg, keep_out_dir: bool = True, eval_only: bool = False) -> Non
         check_weights(
             cfg.MODEL.WEIGHTS, cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, finetune
         )
-    if cfg.TRAIN.AUTO_RESUME and not eval_only:
-        check_resume(cfg.OUT_DIR)
+    if not eval_only:
+        checkpoints, best = _checkpoints_in(cfg.OUT_DIR)
+        found = checkpoints + best
+        if found and not cfg.TRAIN.AUTO_RESUME and not dry_run:
+            raise ConfigError(
+                f"TRAIN.AUTO_RESUME False: OUT_DIR {cfg.OUT_DIR} already holds "
+                f"{len(found)} checkpoint files of a run ({found[0]}"
+                f"{', ...' * (len(found) > 1)}), which a new run would overwrite; use "
+                "a fresh OUT_DIR, or TRAIN.AUTO_RESUME True to continue that run"
+            )
+        if cfg.TRAIN.AUTO_RESUME:
+            check_resume(cfg.OUT_DIR)
+        if not (checkpoints and cfg.TRAIN.AUTO_RESUME):
+            check_batch_fits(cfg, world_size)
     check_out_dir(cfg.OUT_DIR, keep_out_dir)
 
 
@@ -298,6 +362,38 @@ def _fail(
     return _error(message or describe_error(error), code)
 
 
+class StartupStop(BaseException):
+    """SIGTERM or SIGUSR1 before the training loop takes them over (the loop
+    saves a checkpoint and stops); like KeyboardInterrupt, no ``Exception``."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    def message(self, eval_only: bool, dry_run: bool) -> str:
+        name = signal.Signals(self.signum).name
+        if eval_only or dry_run:
+            return f"stopped by {name}; run the same command again"
+        return (
+            f"stopped by {name} during start-up; nothing was trained, run the "
+            "same command again"
+        )
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _raise_stop(signum: int, frame) -> None:
+    raise StartupStop(signum)
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    """Processes of the job: --num-procs, or what the launcher says."""
+    from distribuuuu.distributed import detect_launch
+
+    return args.num_procs if args.num_procs > 1 else detect_launch().world_size
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code."""
     args = parse_args(argv)
@@ -316,17 +412,44 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.dry_run and args.eval_only:
         return _error("--dry-run and --eval-only: give one of them", 2)
+    # SIGTERM/SIGUSR1 end the start-up with an error line (exit 128+N) until
+    # the training loop installs its own handlers, which save and stop.
+    previous = {signum: signal.signal(signum, _raise_stop) for signum in _STOP_SIGNALS}
+    try:
+        return _check_and_launch(args)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _check_and_launch(args: argparse.Namespace) -> int:
+    """Load and check the config, then run it; return the exit code."""
     try:
         cfg = load_cfg(args.cfg_file, args.opts)
         if args.print_config:
             print(format_cfg(cfg), end="")
             return 0
         check_launch()
-        check_inputs(cfg, keep_out_dir=not args.dry_run, eval_only=args.eval_only)
+        check_inputs(
+            cfg,
+            keep_out_dir=not args.dry_run,
+            eval_only=args.eval_only,
+            world_size=_world_size(args),
+            dry_run=args.dry_run,
+        )
     except ConfigError as error:
         return _fail(error, 2, args.debug)
+    except KeyboardInterrupt as error:
+        message = "interrupted during start-up; nothing was written"
+        return _fail(error, 130, args.debug, message)
+    except StartupStop as stop:
+        message = stop.message(args.eval_only, args.dry_run)
+        return _fail(stop, 128 + stop.signum, args.debug, message)
     except Exception as error:  # not the input's fault: a failure like any other
         return _fail(error, 1, args.debug)
+    if args.num_procs > 1:  # the parent only waits: a signal ends it, as before
+        for signum in _STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
     return launch(cfg, args)
 
 
@@ -345,6 +468,9 @@ def launch(cfg, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130
+    except StartupStop as stop:  # before the training loop took the signal over
+        message = stop.message(args.eval_only, args.dry_run)
+        return _fail(stop, 128 + stop.signum, args.debug, message)
     except (DistributedSetupError, PeerLostError) as error:  # every rank reports
         return _fail(error, 1, args.debug, every_rank=True)
     except mp.ProcessRaisedException as error:

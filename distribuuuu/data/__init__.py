@@ -13,7 +13,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.config import resolve_data_name
 from distribuuuu.data import datasets as ds
-from distribuuuu.data.datasets import DataError, find_image_files
+from distribuuuu.data.datasets import DataError, count_images, find_image_files
 from distribuuuu.data.samplers import ExactShardSampler, ResumableTrainSampler
 from distribuuuu.data.transforms import (
     ToNormalizedFloat,
@@ -30,6 +30,7 @@ __all__ = [
     "build_train_loader",
     "build_test_loader",
     "check_data",
+    "count_images",
     "find_image_files",
     "image_reader",
 ]

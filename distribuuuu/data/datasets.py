@@ -336,6 +336,21 @@ def find_image_files(top: str, within: str | None = None) -> list[str]:
     ]
 
 
+def count_images(path: str, at_most: int) -> int:
+    """Image files in the class folders of split ``path``, counted as the data
+    set lists them, up to ``at_most`` (a pre-flight check need not count a
+    million files)."""
+    count = 0
+    with os.scandir(path) as entries:
+        classes = sorted(entry.path for entry in entries if _is_folder(entry))
+    for folder in classes:
+        for _, names in walk_folder(folder, path):
+            count += sum(has_file_allowed_extension(n, IMG_EXTENSIONS) for n in names)
+            if count >= at_most:
+                return count
+    return count
+
+
 def _holds_image(directory: str, within: str) -> bool:
     """True when ``directory`` or a folder below it has an image file name."""
     for _, names in walk_folder(directory, within):
