@@ -25,14 +25,18 @@ from distribuuuu.logger import PACKAGE_LOGGER
 
 EXIT_CODES = """exit codes:
   0    done
-  1    the run failed (an unreadable image, a lost peer, any other error);
-       the full traceback is in OUT_DIR/log.txt (log_rank{N}.txt) once logging
-       has started, and on stderr with --debug
+  1    the run failed (an unreadable image, a lost peer, a loss or weights that
+       became NaN/inf, a full disk, any other error); the full traceback is in
+       OUT_DIR/log.txt (log_rank{N}.txt) once logging has started, and on
+       stderr with --debug
   2    unusable config or input, found before anything is written: the config
-       file, a key or value, the data folders, MODEL.WEIGHTS (missing, of
-       another architecture, or holding pickled code) or OUT_DIR (not writable,
-       disk full)
-  130  interrupted (Ctrl-C); 128+N: stopped by signal N after saving a checkpoint
+       file, a key or value, the data folders, MODEL.WEIGHTS or a checkpoint in
+       OUT_DIR (missing, of another architecture, or refused: it holds pickled
+       code or points outside its folder), OUT_DIR (not writable, disk full,
+       holding another run with TRAIN.AUTO_RESUME False) or the launch (srun
+       forgotten)
+  130  interrupted (Ctrl-C); 128+N: stopped by signal N (after saving a
+       checkpoint, once training has started)
 every error ends with one line on stderr that starts with "error: "."""
 
 
