@@ -633,7 +633,7 @@ def find_resume_checkpoint(
             error.args = (f"{path}: {error}",)
             raise
         except Exception as error:  # a torn or corrupt file: try an older one
-            log("skipping damaged checkpoint %s (%s)", path, _first(error))
+            log("skipping unreadable checkpoint %s (%s)", path, _first(error))
             log("why %s was skipped:", path, exc_info=True, extra={FILE_ONLY: True})
             continue
         return path, state

@@ -205,7 +205,7 @@ def test_damaged_shard_falls_back_to_an_older_checkpoint(tmp_path, caplog):
         f.truncate(100)
     path, state = cp.find_resume_checkpoint(str(tmp_path))
     assert path.endswith("ckpt_ep_0001.pth") and state["epoch"] == 1
-    assert "skipping damaged checkpoint" in caplog.text
+    assert "skipping unreadable checkpoint" in caplog.text
     assert "ckpt_ep_0002.pth" in caplog.text
 
 
@@ -316,7 +316,7 @@ def test_fsdp_resume_skips_a_truncated_shard(tmp_path):
         f.truncate(1000)
     again = torchrun(2, *fsdp, "OPTIM.MAX_EPOCH", "3")
     assert_ok(again)
-    assert "skipping damaged checkpoint" in again.stdout
+    assert "skipping unreadable checkpoint" in again.stdout
     assert "ckpt_ep_0002.pth" in again.stdout
     assert "resumed from" in again.stdout and "ckpt_ep_0001.pth" in again.stdout
     log = (tmp_path / "out" / "log.txt").read_text()
