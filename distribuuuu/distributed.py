@@ -230,13 +230,16 @@ def setup_distributed(
         os.environ["MASTER_ADDR"] = info.master_addr
         os.environ["MASTER_PORT"] = str(info.master_port)
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        timeout = datetime.timedelta(seconds=timeout_s)
         try:
+            store = _restart_round_store(info, timeout)
             dist.init_process_group(
                 backend=backend,
-                init_method="env://",
+                init_method=None if store else "env://",
+                store=store,
                 rank=info.rank,
                 world_size=info.world_size,
-                timeout=datetime.timedelta(seconds=timeout_s),
+                timeout=timeout,
                 device_id=device if device.type == "cuda" else None,
             )
         except (RuntimeError, ValueError) as error:
@@ -353,6 +356,34 @@ def _silent_ranks(
             time.sleep(0.1)
     except Exception as error:  # the store is gone or stopped
         return others, f"the job's store did not answer: {type(error).__name__}"
+
+
+def _restart_round_store(
+    info: LaunchInfo, timeout: datetime.timedelta
+) -> dist.Store | None:
+    """torchrun's store, with a key space of this restart round; None elsewhere.
+
+    torchrun keeps one store (its agent's) for every round of ``--max-restarts``,
+    so the keys the failed round wrote (gloo's addresses, the start-up barrier)
+    are still there: restarted workers read them and try to connect to dead
+    peers (pytorch/pytorch#135712).  A prefix per TORCHELASTIC_RESTART_COUNT
+    keeps the rounds apart.  That count is kept by each node's agent, and
+    agents whose own workers did not fail do not count, so the prefix is used
+    on one node only.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if info.local_world_size != info.world_size:
+        return None
+    store = dist.TCPStore(
+        info.master_addr,
+        info.master_port,
+        info.world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"distribuuuu/restart_{restart}/", store)
 
 
 def cleanup_distributed() -> None:

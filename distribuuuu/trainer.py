@@ -618,7 +618,13 @@ def evaluate(
 
 
 def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
-    """Gather every rank's RNG state; rank 0 writes the checkpoint of the run."""
+    """Gather every rank's RNG state; rank 0 writes the checkpoint of the run.
+
+    Every rank returns only once the checkpoint is complete (file renamed into
+    place, ``last`` moved): a rank that then exits, stopped by a signal, must
+    not get the job step ended (``srun --kill-on-bad-exit``) while rank 0 still
+    writes.  When rank 0's save fails, every rank raises.
+    """
     progress, plan = run.progress, run.plan
     step = progress.consumed // plan.global_batch
     where = f"epoch {progress.epoch + 1}, iteration {step}"
@@ -657,11 +663,21 @@ def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
         "classes": run.classes,
         "cfg": cfg.dump(),
     }
+    error = None
     if du.is_main_process():
-        path = cp.save_checkpoint(
-            cfg.OUT_DIR, progress.epoch, state, cfg.CHECKPOINT.KEEP, step
-        )
-        logger.info("saved %s", path)
+        try:
+            path = cp.save_checkpoint(
+                cfg.OUT_DIR, progress.epoch, state, cfg.CHECKPOINT.KEEP, step
+            )
+            logger.info("saved %s", path)
+        except Exception as caught:  # tell the others before raising it
+            error = caught
+    # The barrier after the save; rank 0 joins it with its failure, if any,
+    # so that no rank waits for a checkpoint that will not come.
+    if du.all_reduce_max_int(int(error is not None)):
+        if error is not None:
+            raise error
+        raise RuntimeError("rank 0 failed to save the checkpoint (see log.txt)")
 
 
 def _load_training_state(
@@ -1033,6 +1049,9 @@ def _stopped(cfg: CfgNode, signum: int) -> dict:
     logger.info("stopped by %s after saving a checkpoint", name)
     if cfg.DIST.REQUEUE and du.is_main_process() and du.requeue_slurm_job():
         logger.info("requeued the Slurm job: it resumes from the checkpoint")
+    # The first rank to exit (128+N) ends a --kill-on-bad-exit step: not
+    # before rank 0 has requeued.
+    du.barrier()
     return {"stopped_by": signum}
 
 

@@ -115,6 +115,10 @@ def _run_rank(cfg, eval_only: bool, dry_run: bool = False) -> None:
     if not eval_only:
         stats = trainer.train_model(cfg)
         if "stopped_by" in stats:  # SIGTERM/SIGUSR1: saved, not finished
+            # srun --kill-on-bad-exit answers the first rank to exit with a
+            # SIGTERM to the others: let them exit 128+N all the same.
+            for signum in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(signum, signal.SIG_IGN)
             raise SystemExit(128 + stats["stopped_by"])
         return
     stats = trainer.test_model(cfg)
