@@ -66,13 +66,15 @@ def _wait_for_file(pattern: str, proc, seconds: float = 240) -> None:
 def _kill_mid_run(
     nproc: int, args: list[str], out: str, pattern: str, before: str, delay: float
 ) -> None:
-    """Start the run, SIGKILL it (all processes) at a random moment up to
-    ``delay`` s after a checkpoint matching ``pattern`` appears; check that
-    checkpoint ``before`` was not reached."""
+    """Start the run, SIGKILL it (all processes) at a moment up to ``delay``
+    s after a checkpoint matching ``pattern`` appears (drawn from a generator
+    seeded by the arguments, so a failure repeats); check that checkpoint
+    ``before`` was not reached."""
     proc = start(_command(nproc, args))
+    pause = random.Random(f"{nproc} {pattern}").uniform(0.0, delay)
     try:
         _wait_for_file(os.path.join(out, "checkpoints", pattern), proc)
-        time.sleep(random.uniform(0.0, delay))
+        time.sleep(pause)
     finally:
         kill_session(proc)
     assert not os.path.exists(os.path.join(out, "checkpoints", before)), before
@@ -90,7 +92,8 @@ def _sigkill_then_rerun_matches_uninterrupted(tmp_path, nproc: int, tear: bool):
     assert_ok(launch(*one_epoch, "OUT_DIR", reference))
     args = [*one_epoch, "OUT_DIR", killed]
     pattern = "ckpt_ep_0000_it_002*.pth"
-    _kill_mid_run(nproc, args, killed, pattern, "ckpt_ep_0001.pth", 2)
+    # 0.5 s at most: the rest of the epoch (about 40 steps) took under 2 s.
+    _kill_mid_run(nproc, args, killed, pattern, "ckpt_ep_0001.pth", 0.5)
     if tear:
         newest = max(glob.glob(os.path.join(killed, "checkpoints", "ckpt_*.pth")))
         with open(newest, "r+b") as f:
