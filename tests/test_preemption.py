@@ -6,9 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 import time
 
@@ -17,7 +15,6 @@ import torch
 from conftest import (
     TRAIN_NET,
     assert_ok,
-    descendants,
     kill_session,
     process_table,
     read_text,
@@ -25,22 +22,8 @@ from conftest import (
     start,
     torchrun,
 )
-
-
-def _slurm_missing() -> str:
-    """Why srun cannot run a step here ("" when it can)."""
-    if shutil.which("srun") is None or shutil.which("sinfo") is None:
-        return "Slurm is not installed (CI starts one: tools/slurm_local.sh up)"
-    try:
-        states = subprocess.run(
-            ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20
-        ).stdout.split()
-    except (OSError, subprocess.TimeoutExpired):
-        return "sinfo does not answer"
-    if not any(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states):
-        return f"no usable Slurm node (sinfo: {states})"
-    return ""
-
+from test_resume import _worker_pid
+from test_slurm import _slurm_ready
 
 # AlexNet (57 M parameters): its checkpoint with the SGD momentum is 456 MB and
 # takes about 1.4 s to write and fsync on the CI machine.
@@ -99,7 +82,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(bool(_slurm_missing()), reason=_slurm_missing() or "ok")
+@pytest.mark.skipif(bool(_slurm_ready()), reason=_slurm_ready() or "ok")
 def test_sigusr1_under_srun_kill_on_bad_exit_keeps_the_checkpoint(tmp_path):
     """SIGUSR1 to a 2-task step: no task exits before rank 0's checkpoint is
     complete (srun --kill-on-bad-exit would end the step mid-write), both exit
@@ -160,21 +143,6 @@ def test_sigusr1_under_srun_kill_on_bad_exit_keeps_the_checkpoint(tmp_path):
     assert state["consumed"] > 0 and "model" in state and "optimizer" in state
     assert sorted(os.listdir(checkpoints)) == sorted([name, "last"])  # no .tmp
     assert "stopped by SIGUSR1 after saving a checkpoint" in read_text(out, "log.txt")
-
-
-def _worker_pid(torchrun_pid: int, rank: int) -> int:
-    """The pid of the worker of ``rank`` under torchrun ``torchrun_pid``."""
-    for pid in descendants(torchrun_pid):
-        try:
-            cmdline = read_text("/proc", str(pid), "cmdline")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        worker = TRAIN_NET in cmdline and "torch.distributed.run" not in cmdline
-        if worker and f"RANK={rank}".encode() in environ:
-            return pid
-    raise AssertionError(f"no rank {rank} worker under {torchrun_pid}")
 
 
 def _model(path: str) -> dict:
