@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
@@ -415,8 +416,12 @@ class SafeShardReader(FileSystemReader):
 
 
 class _SafeBytes:
-    """Loads the non-tensor items of a DCP checkpoint weights-only (DCP's own
-    planners unpickle them with ``weights_only=False``)."""
+    """Loads the non-tensor items of a DCP checkpoint weights-only.
+
+    DCP's own ``DefaultLoadPlanner.load_bytes`` unpickles them with
+    ``weights_only=False``; this one loads them weights-only and places them
+    as it does (into the nested state when DCP flattened it).
+    """
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         name = read_item.dest_index.fqn
@@ -429,10 +434,10 @@ class _SafeBytes:
                 f"shard item {name} holds pickled code or objects, which "
                 f"weights-only loading never runs ({_first(error)})"
             ) from None
-        value = io.BytesIO()
-        torch.save(item, value)  # DCP's planner reads it back: now only data
-        value.seek(0)
-        super().load_bytes(read_item, value)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[name], item)
+        else:
+            self.state_dict[name] = item
 
 
 def _unwrap(error: CheckpointException, directory: str) -> ValueError:
