@@ -247,12 +247,10 @@ def check_batch_fits(cfg, world_size: int) -> None:
 
 
 def _checkpoints_in(out_dir: str) -> tuple[list[str], list[str]]:
-    """The checkpoints (``checkpoints/ckpt_*``) and best weights in ``out_dir``."""
+    """The training checkpoints and best weights in ``out_dir``."""
     from distribuuuu import checkpoint as cp
 
-    directory = os.path.join(out_dir, cp.CHECKPOINT_DIR)
-    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    checkpoints = [os.path.join(directory, n) for n in names if n.startswith("ckpt_")]
+    checkpoints = [path for _, path in cp.list_checkpoints(out_dir)]
     best = [os.path.join(out_dir, n) for n in (cp.BEST_WEIGHTS, cp.BEST_EMA_WEIGHTS)]
     return checkpoints, [path for path in best if os.path.lexists(path)]
 
