@@ -393,8 +393,7 @@ def read_dcp_metadata(directory: str) -> Metadata:
         ) from None
     except _ForbiddenGlobalError as error:
         raise _refused(
-            f"{path}: it would build {error}, which DCP checkpoint metadata never "
-            "holds; refusing to load it"
+            f"{path}: it would build {error}, which DCP checkpoint metadata never holds"
         ) from None
     except Exception as error:  # truncated or garbled: pickle raises many types
         raise DamagedCheckpointError(
@@ -405,10 +404,19 @@ def read_dcp_metadata(directory: str) -> Metadata:
 
 
 class SafeShardReader(FileSystemReader):
-    """DCP's file reader, with the metadata read by :func:`read_dcp_metadata`."""
+    """DCP's file reader, with the metadata read by :func:`read_dcp_metadata`.
+
+    Read when the reader is made, so that a refused or damaged file raises our
+    error here, before DCP (which logs a traceback for a failed metadata read
+    and raises an AssertionError of its own) is involved.
+    """
+
+    def __init__(self, directory: str):
+        super().__init__(directory)
+        self.metadata = read_dcp_metadata(directory)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_dcp_metadata(str(self.path))
+        metadata = self.metadata
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -475,21 +483,24 @@ def load_shards(state: dict, directory: str) -> None:
         raise _unwrap(error, directory) from None
 
 
-def read_sharded(directory: str, keys: set[str] | None = None) -> dict:
-    """A DCP checkpoint read whole into this process (no process group used).
+def read_sharded(directory: str) -> dict:
+    """A DCP checkpoint read whole into this process (no process group used)."""
+    return _read_whole(SafeShardReader(directory))
 
-    ``keys``: only these items (flattened names, as in the metadata).
-    """
+
+def _read_whole(reader: SafeShardReader, keys: set[str] | None = None) -> dict:
+    """The items of ``reader``'s checkpoint (only ``keys``, flattened names as
+    in the metadata, if given), read into this process."""
     state: dict = {}
     try:
         _load_state_dict(
             state,
-            storage_reader=SafeShardReader(directory),
+            storage_reader=reader,
             planner=_SafeWholeLoadPlanner(keys),
             no_dist=True,
         )
     except CheckpointException as error:
-        raise _unwrap(error, directory) from None
+        raise _unwrap(error, str(reader.path)) from None
     return state
 
 
@@ -497,14 +508,14 @@ def _check_shard_items(directory: str) -> None:
     """Read the non-tensor items of a DCP checkpoint (a few small ones: the
     optimizer's hyper-parameters), so that one holding code is refused before
     a run starts."""
-    metadata = read_dcp_metadata(directory)
+    reader = SafeShardReader(directory)
     keys = {
         key
-        for key, entry in metadata.state_dict_metadata.items()
+        for key, entry in reader.metadata.state_dict_metadata.items()
         if isinstance(entry, BytesStorageMetadata)
     }
     if keys:
-        read_sharded(directory, keys)
+        _read_whole(reader, keys)
 
 
 def shards_of(path: str, state: dict) -> str:

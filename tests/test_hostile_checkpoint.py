@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -323,3 +324,22 @@ def test_fsdp_resume_skips_a_truncated_shard(tmp_path):
     assert "Traceback (most recent call last)" in log  # why it was skipped
     assert "Traceback" not in again.stdout + again.stderr
     assert [r["epoch"] for r in read_metrics(out, "val")] == [1, 2, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dotted-global", "code-in-shard-item", "link-out"])
+def test_real_commands_answer_a_crafted_checkpoint_in_one_line(kind, tmp_path):
+    """As a user runs them: DCP logs a traceback of its own when it cannot read
+    metadata; none may reach the console (the in-process cases above do not see
+    the logging handlers torch made at import)."""
+    from conftest import REPO, run
+
+    marker = tmp_path / "code-ran"
+    pth = crafted(kind, tmp_path, marker)
+    out = tmp_path / "out"
+    result = train_net(*TINY, "MODEL.WEIGHTS", str(pth), "OUT_DIR", str(out))
+    assert "refused" in assert_one_error_line(result, 2, [str(pth)])
+    tool = os.path.join(REPO, "tools", "inspect_ckpt.py")
+    result = run([sys.executable, tool, str(pth)], timeout=120)
+    assert "refused" in assert_one_error_line(result, 2, [str(pth)])
+    assert not marker.exists() and not out.exists()
