@@ -791,6 +791,7 @@ class StopRequest:
 
     def __init__(self):
         self.signum = 0
+        self.stopping = False  # agreed: the run stops
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum, frame) -> None:
@@ -798,10 +799,16 @@ class StopRequest:
 
     def agreed(self) -> int:
         """The signal any rank received (0 if none): a collective call."""
-        return du.all_reduce_max_int(self.signum)
+        agreed = du.all_reduce_max_int(self.signum)
+        self.stopping = self.stopping or bool(agreed)
+        return agreed
 
     def restore(self) -> None:
-        """Put the previous signal handlers back."""
+        """Put the previous signal handlers back, unless the run stops: then
+        more of these signals (srun sends SIGTERM to every task once the first
+        one exits) are only recorded until the process exits 128+N."""
+        if self.stopping:
+            return
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 

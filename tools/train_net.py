@@ -425,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         return _check_and_launch(args)
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            if signal.getsignal(signum) is _raise_stop:  # not ignored by a stop
+                signal.signal(signum, handler)
 
 
 def _check_and_launch(args: argparse.Namespace) -> int:
