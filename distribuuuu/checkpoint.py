@@ -752,8 +752,14 @@ def load_model_weights(
     return skipped
 
 
-def capture_rng_state() -> dict:
-    """The RNG states of Python, NumPy and torch (CPU and CUDA) of this process."""
+def capture_rng_state(device: torch.device | None = None) -> dict:
+    """The RNG states of Python, NumPy and torch of this process: the CPU's and,
+    on a CUDA ``device``, that device's only (``"cuda_device"``).
+
+    Only the process's own GPU: a resume may see other GPUs, or another
+    number of them (8 per process at save time, 1 under
+    ``srun --gpus-per-task=1`` at resume), and their generators are not its.
+    """
     version, numbers, gauss = random.getstate()
     np_state = np.random.get_state()
     state = {
@@ -767,17 +773,29 @@ def capture_rng_state() -> dict:
         ],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda_device"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore_rng_state(state: dict) -> None:
-    """Restore states captured by :func:`capture_rng_state`."""
+def restore_rng_state(state: dict, device: torch.device | None = None) -> None:
+    """Restore states captured by :func:`capture_rng_state`; on a CUDA
+    ``device``, its generator from the saved one (none saved: left alone).
+
+    Older checkpoints hold the states of every GPU the process saw
+    (``"cuda"``, a list by device index): the entry of ``device``'s index is
+    taken if there is one.
+    """
     version, numbers, gauss = state["python"]
     random.setstate((version, tuple(numbers), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device is None or device.type != "cuda":
+        return
+    saved = state.get("cuda_device")
+    if saved is None and device.index is not None:
+        every = state.get("cuda") or []
+        saved = every[device.index] if device.index < len(every) else None
+    if saved is not None:
+        torch.cuda.set_rng_state(saved, device)

@@ -205,10 +205,12 @@ _C.TEST.PRINT_FREQ = 10
 # cuDNN (GPU runs only)
 # ---------------------------------------------------------------------------- #
 _C.CUDNN = CfgNode()
-# Let cuDNN pick the fastest convolution algorithms for the input sizes
+# Let cuDNN pick the fastest convolution algorithms for the input sizes (off
+# when CUDNN.DETERMINISTIC is on: it picks by timing, which varies run to run)
 _C.CUDNN.BENCHMARK = True
 # Deterministic algorithms only: cuDNN's, and torch.use_deterministic_algorithms
-# (slower; an operation without a deterministic version raises an error)
+# (slower; an operation without a deterministic version raises an error);
+# turns CUDNN.BENCHMARK off
 _C.CUDNN.DETERMINISTIC = False
 
 # ---------------------------------------------------------------------------- #
@@ -278,7 +280,8 @@ _C.OPTIM.CLIP_GRAD_NORM = 0.0
 # Distributed
 # ---------------------------------------------------------------------------- #
 _C.DIST = CfgNode()
-# Process-group backend: "" picks nccl on CUDA and gloo on CPU; or nccl | gloo
+# Process-group backend: "" picks nccl on CUDA and gloo on CPU; or nccl | gloo.
+# nccl gets gloo beside it for host-memory tensors under DIST.FSDP_CPU_OFFLOAD
 _C.DIST.BACKEND = ""
 # Seconds to wait for peers at start-up and in collectives before giving up
 _C.DIST.INIT_TIMEOUT = 600

@@ -146,12 +146,13 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
         tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get(
             "SLURM_TASKS_PER_NODE", "1"
         )
+        node = int(env.get("SLURM_NODEID", "0"))
         return LaunchInfo(
             launcher="slurm",
             rank=int(env["SLURM_PROCID"]),
             world_size=world,
             local_rank=int(env.get("SLURM_LOCALID", "0")),
-            local_world_size=int(re.match(r"\d+", tasks_per_node).group()),
+            local_world_size=tasks_on_node(tasks_per_node, node),
             master_addr=env.get("MASTER_ADDR", nodes[0]),
             master_port=int(env.get("MASTER_PORT", port)),
         )
@@ -169,15 +170,71 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     return LaunchInfo("none", 0, 1, 0, 1, "127.0.0.1", 0)
 
 
-def select_device(preference: str, local_rank: int) -> torch.device:
-    """The one device of this process: ``cuda:LOCAL_RANK`` or ``cpu``."""
+def tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """Tasks of node ``node`` (SLURM_NODEID) in Slurm's ``SLURM_TASKS_PER_NODE``.
+
+    The value lists the nodes' counts in order, repeated runs folded as in
+    ``2(x3),1``: nodes 0-2 run two tasks, node 3 one.
+    """
+    counts = []
+    for part in tasks_per_node.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            raise ValueError(f"bad task count {part!r} in {tasks_per_node!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts[min(node, len(counts) - 1)]
+
+
+def gpu_index(local_rank: int, local_world_size: int, visible: int) -> int:
+    """The CUDA device index of a process, given the GPUs it can see.
+
+    One visible GPU is the process's own (a scheduler that binds one GPU to
+    each task, as ``srun --gpus-per-task=1`` does, hides the others): index 0.
+    With several, process ``local_rank`` takes GPU ``local_rank``, and there
+    must be one for each process of the node: two processes on one GPU make
+    NCCL abort ("Duplicate GPU detected"), so that launch raises LaunchError.
+    """
+    if visible == 1:
+        return 0
+    if local_world_size > visible or local_rank >= visible:
+        raise LaunchError(
+            f"{max(local_world_size, local_rank + 1)} processes on this node "
+            f"(this one has local rank {local_rank}) but {visible} GPUs are "
+            f"visible to each: every process needs a GPU of its own; start at "
+            f"most {visible} processes per node (torchrun --nproc-per-node "
+            f"{visible}, --num-procs {visible}, srun --ntasks-per-node {visible}), "
+            "give each task its own GPU (srun --gpus-per-task=1), or set DEVICE cpu"
+        )
+    return local_rank
+
+
+def select_device(
+    preference: str, local_rank: int, local_world_size: int = 1
+) -> torch.device:
+    """The one device of this process: its GPU (see :func:`gpu_index`) or ``cpu``."""
     if preference == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("DEVICE cuda was asked for, but CUDA is not available")
     if preference == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    index = gpu_index(local_rank, local_world_size, torch.cuda.device_count())
+    device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     return device
+
+
+def backend_for(requested: str, device_type: str, cpu_collectives: bool) -> str:
+    """The process-group backend string for DIST.BACKEND ``requested``.
+
+    "" picks nccl on CUDA and gloo on CPU.  NCCL reduces CUDA tensors only:
+    when the run also reduces tensors in host memory on CUDA
+    (``cpu_collectives``: FSDP with CPU offload, whose gradient-norm clipping
+    all-reduces the offloaded gradients), the group gets gloo for those, as
+    ``cuda:nccl,cpu:gloo`` (pytorch/pytorch#148532; torchtune does the same).
+    """
+    backend = requested or ("nccl" if device_type == "cuda" else "gloo")
+    if backend == "nccl" and cpu_collectives:
+        return "cuda:nccl,cpu:gloo"
+    return backend
 
 
 def cpu_threads(affinity: int, local_world_size: int, env: Mapping[str, str]) -> int:
@@ -209,7 +266,10 @@ def cpu_threads(affinity: int, local_world_size: int, env: Mapping[str, str]) ->
 
 
 def setup_distributed(
-    backend: str = "", device_preference: str = "auto", timeout_s: float = 600
+    backend: str = "",
+    device_preference: str = "auto",
+    timeout_s: float = 600,
+    cpu_collectives: bool = False,
 ) -> tuple[LaunchInfo, torch.device]:
     """Detect the launch, pick the device and join the process group if any.
 
@@ -217,10 +277,12 @@ def setup_distributed(
         backend: "nccl", "gloo", or "" for nccl on CUDA and gloo on CPU.
         device_preference: "auto", "cpu" or "cuda".
         timeout_s: seconds to wait for peers at start-up and in collectives.
+        cpu_collectives: the run reduces tensors in host memory on CUDA too
+            (see :func:`backend_for`).
     """
     info = detect_launch()
     _GROUP.clear()  # no group joined (yet) by this run
-    device = select_device(device_preference, info.local_rank)
+    device = select_device(device_preference, info.local_rank, info.local_world_size)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Share the cores between the processes of this node instead of every
         # process starting one thread per core.
@@ -229,7 +291,7 @@ def setup_distributed(
     if info.world_size > 1 and not dist.is_initialized():
         os.environ["MASTER_ADDR"] = info.master_addr
         os.environ["MASTER_PORT"] = str(info.master_port)
-        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        backend = backend_for(backend, device.type, cpu_collectives)
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
             store = _restart_round_store(info, timeout)
@@ -251,6 +313,7 @@ def setup_distributed(
                 f"{type(error).__name__}: {reason}"
             ) from error
         _remember_group(info.rank, info.world_size, timeout_s)
+        _join_control_group(info.rank, timeout_s)
     return info, device
 
 
@@ -443,20 +506,42 @@ def all_reduce_max_int(value: int) -> int:
     if not is_distributed():
         return value
     tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control_group())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
     return int(tensor.item())
 
 
+# The gloo group of the host-side checks when the default group cannot reduce
+# CPU tensors (NCCL); None when it can, or without a process group.
 _CONTROL_GROUP = None
 
 
-def _control_group():
+def _join_control_group(rank: int, timeout_s: float) -> None:
+    """Form the gloo group of the host-side checks (stop requests, the save
+    barrier, finite checks) now, with every rank, if the default group has
+    no CPU backend; raise DistributedSetupError if it cannot form in time.
+
+    Formed at start-up rather than at the first check, so that a node whose
+    gloo cannot reach the others fails here, in one clear line, instead of
+    hanging in the middle of the first epoch.
+    """
     global _CONTROL_GROUP
-    if dist.get_backend() == "gloo":
-        return None  # the default group already runs on the CPU
-    if _CONTROL_GROUP is None:  # created on first use, by every rank together
-        _CONTROL_GROUP = dist.new_group(backend="gloo")
-    return _CONTROL_GROUP
+    _CONTROL_GROUP = None
+    if "cpu:" in dist.get_backend_config():
+        return  # the default group reduces CPU tensors itself
+    try:
+        _CONTROL_GROUP = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    except (RuntimeError, ValueError) as error:
+        raise DistributedSetupError(
+            f"rank {rank}: the gloo group of the run's host-side checks could not "
+            f"form within DIST.INIT_TIMEOUT={timeout_s:g}s "
+            f"({_backend_reason(str(error))}); gloo connects through the network "
+            "interface of this node's host name, which must reach the other "
+            "nodes (not resolve to 127.0.x.x): name the interface with "
+            "GLOO_SOCKET_IFNAME (e.g. GLOO_SOCKET_IFNAME=eth0, as "
+            "NCCL_SOCKET_IFNAME does for NCCL)"
+        ) from error
 
 
 def requeue_slurm_job() -> bool:

@@ -148,7 +148,44 @@ def _wrap_data_parallel(model: nn.Module, device: torch.device) -> nn.Module:
         )
         return model
     logger.info("DataParallel over %d GPUs (batch split across them)", gpus)
-    return nn.DataParallel(model)
+    return AutocastDataParallel(model)
+
+
+class AutocastDataParallel(nn.DataParallel):
+    """``nn.DataParallel`` whose replicas compute in the caller's autocast dtype.
+
+    DataParallel runs each replica in a thread of its own, and torch's
+    ``parallel_apply`` enters autocast there with the caller's enabled flag
+    only (torch/nn/parallel/parallel_apply.py); the autocast dtype is per
+    thread, and a new thread starts with float16 on CUDA
+    (pytorch/pytorch#125186).  So a bf16 run would compute its replicas in
+    float16, without the loss scaling float16 needs.  Here each replica
+    enters autocast again, inside its thread, with the caller's dtype.
+    """
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        replicas = replicas_under_autocast(replicas, self.src_device_obj.type)
+        return super().parallel_apply(replicas, inputs, kwargs)
+
+
+class _UnderAutocast:
+    """Calls ``module`` under autocast of ``device_type`` in ``dtype``."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype):
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def __call__(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
+def replicas_under_autocast(replicas: list, device_type: str) -> list:
+    """``replicas``, made to run under this thread's autocast (if it is on for
+    ``device_type``) in whatever thread calls them."""
+    if not torch.is_autocast_enabled(device_type):
+        return list(replicas)
+    dtype = torch.get_autocast_dtype(device_type)
+    return [_UnderAutocast(replica, device_type, dtype) for replica in replicas]
 
 
 def broadcast_buffers(model: nn.Module, src: int = 0) -> None:

@@ -99,14 +99,15 @@ def run_context(
         # cuBLAS needs this before its first use to be deterministic.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+    # FSDP's CPU offload clips gradients that live in host memory.
+    offload = cfg.DIST.STRATEGY == "fsdp" and cfg.DIST.FSDP_CPU_OFFLOAD
     info, device = du.setup_distributed(
-        cfg.DIST.BACKEND, cfg.DEVICE, cfg.DIST.INIT_TIMEOUT
+        cfg.DIST.BACKEND, cfg.DEVICE, cfg.DIST.INIT_TIMEOUT, cpu_collectives=offload
     )
     try:
         setup_logging(cfg.OUT_DIR if log_files else None, info.rank)
         if device.type == "cuda":
-            torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
-            torch.backends.cudnn.deterministic = cfg.CUDNN.DETERMINISTIC
+            set_cudnn_flags(cfg.CUDNN.BENCHMARK, cfg.CUDNN.DETERMINISTIC)
         logger.info(
             "launch: %s, rank %d of %d, local rank %d, device %s%s",
             info.launcher,
@@ -121,6 +122,24 @@ def run_context(
         yield info, device
     finally:
         du.cleanup_distributed()
+
+
+def set_cudnn_flags(benchmark: bool, deterministic: bool) -> None:
+    """Set cuDNN's ``benchmark`` and ``deterministic`` flags for the run.
+
+    Benchmark mode times the candidate algorithms of each new input shape
+    and keeps the fastest, which may differ from run to run: PyTorch's notes
+    on reproducibility ask for it off when results must repeat, so
+    ``deterministic`` turns it off (and says so).
+    """
+    if deterministic and benchmark:
+        logger.info(
+            "CUDNN.DETERMINISTIC True: CUDNN.BENCHMARK turned off (its timing-based "
+            "choice of algorithms varies from run to run)"
+        )
+        benchmark = False
+    torch.backends.cudnn.benchmark = benchmark
+    torch.backends.cudnn.deterministic = deterministic
 
 
 class RunClock:
@@ -653,7 +672,7 @@ def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
         "best_top1": progress.best_top1,
         "best_ema_top1": progress.best_ema_top1,
         "seed": progress.seed,
-        "rng": du.all_gather_object(cp.capture_rng_state()),
+        "rng": du.all_gather_object(cp.capture_rng_state(run.device)),
         "world_size": plan.world_size,
         "global_batch": plan.global_batch,
         "batch_per_rank": plan.per_rank,
@@ -949,7 +968,7 @@ def _build_run(
     val_loader = build_test_loader(cfg, val_set, rank, world, device)
     _check_loader(train_loader, plan)
     if saved is not None and len(saved["rng"]) == world:
-        cp.restore_rng_state(saved["rng"][rank])
+        cp.restore_rng_state(saved["rng"][rank], device)
     steps_per_epoch = len(train_loader) // plan.accum
     clock = RunClock(
         cfg.OPTIM.MAX_EPOCH * steps_per_epoch,

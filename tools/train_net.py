@@ -205,12 +205,19 @@ def check_weights(
         raise ConfigError(f"MODEL.WEIGHTS {error}") from error
 
 
-def check_launch() -> None:
-    """Refuse a launch that cannot work (srun forgotten in a batch script)."""
-    from distribuuuu.distributed import LaunchError, detect_launch
+def check_launch(cfg, num_procs: int = 1) -> None:
+    """Refuse a launch that cannot work: srun forgotten in a batch script, or
+    more processes on a node than GPUs for them (``num_procs``: --num-procs)."""
+    import torch
+
+    from distribuuuu.distributed import LaunchError, detect_launch, gpu_index
 
     try:
-        detect_launch()
+        info = detect_launch()
+        on_gpus = cfg.DEVICE != "cpu" and torch.cuda.is_available()
+        if on_gpus and cfg.DIST.MODE == "ddp":
+            local_world = num_procs if num_procs > 1 else info.local_world_size
+            gpu_index(info.local_rank, local_world, torch.cuda.device_count())
     except LaunchError as error:
         raise ConfigError(str(error)) from error
 
@@ -436,7 +443,7 @@ def _check_and_launch(args: argparse.Namespace) -> int:
         if args.print_config:
             print(format_cfg(cfg), end="")
             return 0
-        check_launch()
+        check_launch(cfg, args.num_procs)
         check_inputs(
             cfg,
             keep_out_dir=not args.dry_run,
