@@ -15,7 +15,8 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY, call_main, free_port
+from conftest import TINY, assert_ok, call_main, free_port, read_metrics, torchrun
+from conftest import train_net as train_net_command
 from distributed_utils import run_on_ranks
 from torch import nn
 
@@ -24,6 +25,7 @@ from distribuuuu import distributed as du
 from distribuuuu import parallel, trainer
 from distribuuuu.config import get_cfg
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_two_gpus = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs 2 or more CUDA devices"
 )
@@ -354,3 +356,64 @@ def test_side_group_that_cannot_form_names_gloo_socket_ifname(tmp_path):
     message = results[0]["error"]
     assert "GLOO_SOCKET_IFNAME" in message and "DIST.INIT_TIMEOUT=10s" in message
     assert "nosuchif0" in message  # gloo's own reason
+
+
+# --- Whole runs on real GPUs (skipped without them) --------------------------
+# What a session with a GPU machine runs first: pytest tests/test_gpu_path.py
+
+
+def _gpu_run(out: str, extra: str, processes: int = 1):
+    """TINY on CUDA into ``out`` with the KEY VALUE words of ``extra``."""
+    args = [*TINY, "DEVICE", "cuda", "OUT_DIR", out, *extra.split()]
+    if processes > 1:
+        return torchrun(processes, *args)
+    return train_net_command(*args)
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "TRAIN.MIXED_PRECISION fp16 MODEL.EMA True OPTIM.CLIP_GRAD_NORM 1.0",
+        "TRAIN.MIXED_PRECISION bf16 TRAIN.MIXUP_ALPHA 0.2 TRAIN.CUTMIX_ALPHA 1.0",
+    ],
+)
+def test_one_gpu_trains(tmp_path, extra):
+    out = str(tmp_path / "out")
+    assert_ok(_gpu_run(out, extra))
+    (val,) = read_metrics(out, "val")
+    assert val["samples"] == 101
+
+
+@needs_cuda
+def test_deterministic_gpu_runs_repeat_bitwise(tmp_path):
+    weights = []
+    for name in ("a", "b"):
+        out = str(tmp_path / name)
+        assert_ok(_gpu_run(out, "RNG_SEED 3 CUDNN.DETERMINISTIC True"))
+        weights.append(cp.load_file(os.path.join(out, cp.BEST_WEIGHTS))["model"])
+    for key, value in weights[0].items():
+        assert torch.equal(value, weights[1][key]), key
+
+
+@needs_two_gpus
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "MODEL.SYNCBN True TRAIN.MIXED_PRECISION fp16",
+        "DIST.STRATEGY fsdp DIST.FSDP_CPU_OFFLOAD True OPTIM.CLIP_GRAD_NORM 1.0 "
+        "TRAIN.MIXED_PRECISION bf16",
+        "DIST.STRATEGY zero1 MODEL.EMA True",
+    ],
+)
+def test_two_gpus_train_with_nccl(tmp_path, extra):
+    out = str(tmp_path / "out")
+    assert_ok(_gpu_run(out, "MODEL.ARCH resnet8 " + extra, processes=2))
+    (val,) = read_metrics(out, "val")
+    assert val["samples"] == 101 and len(val["peak_mem_mb"]) == 2
+
+
+@needs_two_gpus
+def test_dp_bf16_run_on_two_gpus(tmp_path):
+    out = str(tmp_path / "out")
+    assert_ok(_gpu_run(out, "DIST.MODE dp TRAIN.MIXED_PRECISION bf16"))
