@@ -27,7 +27,8 @@ setup(
         "mlxtend",
     ],
     extras_require={
-        "dev": ["pytest>=7", "pytest-xdist>=3", "ruff==0.17.6"],
+        # timm too, so that the tests of its models run instead of skipping.
+        "dev": ["pytest>=7", "pytest-xdist>=3", "ruff==0.17.6", "timm"],
         "timm": ["timm"],
     },
     entry_points={

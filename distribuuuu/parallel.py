@@ -357,27 +357,68 @@ def _recompute_contexts(block: nn.Module) -> tuple:
     return contextlib.nullcontext(), _frozen_norm_statistics(block)
 
 
+def _keeps_running_statistics(model: nn.Module) -> bool:
+    """True when a layer of ``model`` keeps running statistics in buffers
+    (BatchNorm's ``running_mean``/``running_var``, timm's EvoNorm ``running_var``)."""
+    return any(
+        name.rpartition(".")[2].startswith("running_")
+        for name, _ in model.named_buffers()
+    )
+
+
+def _switch_on_timm_checkpointing(model: nn.Module) -> int:
+    """timm's own activation checkpointing; the number of modules it switched on.
+
+    Several timm models refuse with ``assert not enable`` (0 then, also under
+    ``python -O``, where that assert vanishes and nothing is switched on).
+    """
+    with contextlib.suppress(AssertionError):
+        model.set_grad_checkpointing(True)
+    return sum(getattr(m, "grad_checkpointing", False) is True for m in model.modules())
+
+
 def enable_activation_checkpointing(model: nn.Module) -> int:
     """Recompute each block's activations in the backward pass; blocks wrapped.
 
     Non-reentrant ``torch.utils.checkpoint`` around the forward of every block
-    found by :func:`distribuuuu.models.find_blocks` (timm models use their own
-    switch).  Parameter names and results stay the same: the recomputation
-    does not update BatchNorm running statistics again.
+    found by :func:`distribuuuu.models.find_blocks`, timm models included.
+    Parameter names and results stay the same: the recomputation does not
+    update BatchNorm running statistics again.
+
+    A timm model none of whose blocks we know gets timm's own switch
+    (``set_grad_checkpointing``; the count is then of the timm modules switched
+    on) only when no layer keeps running statistics: timm's recomputation would
+    update them a second time.  Otherwise, like any model without known blocks,
+    it logs a warning and runs without activation checkpointing (0).
     """
-    if hasattr(model, "set_grad_checkpointing"):  # timm models
-        model.set_grad_checkpointing(True)
-        return 1
     blocks = find_blocks(model)
     for block in blocks:
         contexts = functools.partial(_recompute_contexts, block)
         block.forward = functools.partial(
             checkpoint, block.forward, use_reentrant=False, context_fn=contexts
         )
-    if not blocks:
-        logger.warning(
-            "MODEL.ACT_CKPT: %s has no residual or transformer blocks to "
-            "checkpoint; nothing changes",
-            type(model).__name__,
-        )
-    return len(blocks)
+    if blocks:
+        return len(blocks)
+    name, why = type(model).__name__, ""
+    if hasattr(model, "set_grad_checkpointing"):  # a timm model
+        if _keeps_running_statistics(model):
+            why = (
+                " (timm's own checkpointing would update its BatchNorm running "
+                "statistics twice per step)"
+            )
+        elif switched := _switch_on_timm_checkpointing(model):
+            logger.info(
+                "MODEL.ACT_CKPT: %s: timm's own checkpointing (no running "
+                "statistics to update twice)",
+                name,
+            )
+            return switched
+        else:
+            why = " (timm does not support checkpointing it)"
+    logger.warning(
+        "MODEL.ACT_CKPT: %s has no residual or transformer blocks to "
+        "checkpoint; nothing changes%s",
+        name,
+        why,
+    )
+    return 0

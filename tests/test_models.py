@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distribuuuu.models import build_model, is_model, list_models
+from distribuuuu.models import build_model, find_blocks, is_model, list_models
 
 
 def test_registry_has_torchvision_and_small_models():
@@ -44,3 +44,21 @@ def test_torchvision_model_gets_the_head_size():
 def test_timm_models_when_installed():
     timm = pytest.importorskip("timm")
     assert is_model("timm/resnet10t") == timm.is_model("resnet10t")
+
+
+@pytest.mark.parametrize(
+    "name, blocks",
+    [
+        ("resnet10t", 4),  # BasicBlocks of 4 stages of depth 1
+        ("resnetv2_50", 16),  # pre-activation Bottlenecks, 3 + 4 + 6 + 3
+        ("regnetx_002", 13),  # 1 + 1 + 4 + 7
+        ("efficientnet_b0", 16),  # 1 DepthwiseSeparableConv + 15 MBConv
+        ("mobilenetv3_small_050", 12),  # 11 + the last ConvBnAct stage
+        ("convnext_atto", 12),  # 2 + 2 + 6 + 2
+        ("vit_tiny_patch16_224", 12),
+    ],
+)
+def test_find_blocks_finds_the_blocks_of_timm_families(name, blocks):
+    """Activation checkpointing and FSDP wrap these; parameter names unchanged."""
+    pytest.importorskip("timm")
+    assert len(find_blocks(build_model(f"timm/{name}", 3))) == blocks

@@ -216,3 +216,71 @@ def test_activation_checkpointing_changes_nothing_but_memory(arch):
     expected = plain.state_dict()
     for key, value in recomputed.state_dict().items():
         torch.testing.assert_close(value, expected[key], msg=key)
+
+
+def test_timm_activation_checkpointing_updates_batchnorm_statistics_once(
+    monkeypatch,
+):
+    """timm's own switch recomputes without our frozen statistics, so a BatchNorm
+    would count each step twice; our wrapping of timm's blocks must not."""
+    pytest.importorskip("timm")
+    from distribuuuu import parallel
+
+    calls = []
+
+    def counted_checkpoint(*args, **kwargs):
+        calls.append(args[0])
+        return torch.utils.checkpoint.checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(parallel, "checkpoint", counted_checkpoint)
+    torch.manual_seed(0)
+    plain = build_model("timm/resnet10t", 3)
+    recomputed = copy.deepcopy(plain)
+    blocks = enable_activation_checkpointing(recomputed)
+    images, targets = torch.randn(4, 3, 32, 32), torch.randint(0, 3, (4,))
+    for model in (plain, recomputed):
+        F.cross_entropy(model(images), targets).backward()
+    for (name, a), b in zip(plain.named_parameters(), recomputed.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+    expected = plain.state_dict()
+    statistics = [key for key in expected if ".running_" in key or "num_batches" in key]
+    assert statistics
+    for key in statistics:
+        torch.testing.assert_close(recomputed.state_dict()[key], expected[key], msg=key)
+    assert int(expected["bn1.num_batches_tracked"]) == 1
+    # Checkpointing was on: each of the 4 BasicBlocks ran through our checkpoint.
+    assert blocks == len(calls) == 4
+
+
+def test_timm_model_with_batchnorm_and_no_known_blocks_is_not_checkpointed(caplog):
+    """timm's own switch would update its BatchNorm statistics twice per step:
+    the run goes on without activation checkpointing, and says why."""
+    pytest.importorskip("timm")
+    model = build_model("timm/efficientvit_b0", 3)
+    assert enable_activation_checkpointing(model) == 0
+    assert "statistics twice" in caplog.text
+    images, targets = torch.randn(2, 3, 64, 64), torch.tensor([0, 1])
+    F.cross_entropy(model(images), targets).backward()
+    tracked = {k: v for k, v in model.state_dict().items() if "num_batches" in k}
+    assert tracked and all(int(count) == 1 for count in tracked.values())
+
+
+@pytest.mark.parametrize(
+    "arch, switched, warning",
+    [
+        ("timm/pvt_v2_b0", 4, None),  # its 4 stages checkpoint their blocks
+        ("timm/coat_lite_tiny", 0, "timm does not support"),  # timm refuses
+    ],
+)
+def test_timm_switch_for_models_without_running_statistics(
+    caplog, arch, switched, warning
+):
+    """A timm model without known blocks or running statistics gets timm's own
+    activation checkpointing, where timm supports it for that model."""
+    pytest.importorskip("timm")
+    model = build_model(arch, 3)
+    assert enable_activation_checkpointing(model) == switched
+    on = [m for m in model.modules() if getattr(m, "grad_checkpointing", False)]
+    assert len(on) == switched
+    if warning:
+        assert warning in caplog.text

@@ -8,7 +8,9 @@ models when timm is installed.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
+import sys
 from collections.abc import Callable
 
 from torch import nn
@@ -27,6 +29,46 @@ _SMALL: dict[str, Callable[[int], nn.Module]] = {
     "lenet5": small.LeNet5,
 }
 TIMM_PREFIX = "timm/"
+# The repeated blocks of the common timm families, by module of timm.models, as
+# class names: the classes come and go between timm releases, so a missing one
+# is skipped.  CondConvResidual subclasses InvertedResidual; DeiT builds
+# vision_transformer's Block; MobileNetV3 and MNASNet build EfficientNet's.
+_TIMM_BLOCKS: dict[str, tuple[str, ...]] = {
+    "resnet": ("BasicBlock", "Bottleneck"),
+    "resnetv2": ("PreActBasic", "PreActBottleneck", "Bottleneck"),
+    "regnet": ("Bottleneck", "PreBottleneck"),
+    "byobnet": (
+        "BasicBlock",
+        "BottleneckBlock",
+        "DarkBlock",
+        "EdgeBlock",
+        "RepVggBlock",
+        "MobileOneBlock",
+        "SelfAttnBlock",
+    ),
+    "_efficientnet_blocks": (
+        "ConvBnAct",
+        "DepthwiseSeparableConv",
+        "InvertedResidual",
+        "UniversalInvertedResidual",
+        "MobileAttention",
+        "EdgeResidual",
+    ),
+    "rexnet": ("LinearBottleneck",),
+    "ghostnet": ("GhostBottleneck", "GhostBottleneckV3"),
+    "convnext": ("ConvNeXtBlock",),
+    "vision_transformer": (
+        "Block",
+        "ResPostBlock",
+        "ParallelScalingBlock",
+        "DiffParallelScalingBlock",
+        "ParallelThingsBlock",
+    ),
+    "eva": ("EvaBlock", "EvaBlockPostNorm"),
+    "beit": ("Block",),
+    "swin_transformer": ("SwinTransformerBlock",),
+    "mlp_mixer": ("MixerBlock", "ResBlock", "SpatialGatingBlock"),
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,6 +128,23 @@ def build_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Mod
     return model
 
 
+def _timm_block_types() -> tuple[type, ...]:
+    """Classes of :data:`_TIMM_BLOCKS` in the installed timm; none before timm
+    is imported (no timm model can exist then, and the import costs time)."""
+    if "timm" not in sys.modules:
+        return ()
+    found = []
+    for module_name, class_names in _TIMM_BLOCKS.items():
+        try:
+            module = importlib.import_module(f"timm.models.{module_name}")
+        except ImportError:
+            continue
+        found += [
+            getattr(module, name) for name in class_names if hasattr(module, name)
+        ]
+    return tuple(found)
+
+
 def _block_types() -> tuple[type, ...]:
     """Classes of the repeated blocks of the registry's model families."""
     from torchvision.models import (
@@ -111,13 +170,18 @@ def _block_types() -> tuple[type, ...]:
         swin_transformer.SwinTransformerBlock,
         mobilenetv2.InvertedResidual,
         mobilenetv3.InvertedResidual,
+        *_timm_block_types(),
     )
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The outermost residual / transformer blocks of ``model``, in order.
 
-    These are the units of activation checkpointing (and of sharding).
+    These are the units of activation checkpointing (and of sharding): the
+    blocks of the torchvision and small models of the registry and of the
+    common timm families (ResNet, ResNetV2 / BiT, RegNet, ByobNet, EfficientNet
+    / MobileNet, ReXNet, GhostNet, ConvNeXt, ViT / DeiT, EVA, BEiT, Swin,
+    MLP-Mixer).
     """
     types, found = _block_types(), []
 
