@@ -68,9 +68,13 @@ class ConfusionMatrix:
         self.counts = torch.zeros(num_classes**2, dtype=torch.int64, device=device)
 
     def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        """Add a batch of predictions."""
+        """Add a batch of predictions; a label outside ``[0, num_classes)`` is an
+        error (IndexError on the CPU, a device-side assert on CUDA)."""
         pairs = targets * self.num_classes + logits.argmax(dim=1)
-        self.counts += torch.bincount(pairs, minlength=self.num_classes**2)
+        # index_add_, not torch.bincount: on CUDA bincount reads the min and max
+        # of its input back to the host to size its output (two synchronizations
+        # per batch), where index_add_ adds into the counts we already hold.
+        self.counts.index_add_(0, pairs, torch.ones_like(pairs))
 
     def reduce(self) -> torch.Tensor:
         """The global matrix (num_classes x num_classes) on the CPU."""

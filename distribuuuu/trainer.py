@@ -170,14 +170,30 @@ def _optimizer_step(
     if clip_grad_norm > 0:
         scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-    # The scaler backs off (lowers its scale) exactly when it skips the step
-    # for non-finite gradients. Reading the scale waits for the device, so it
-    # is read only when asked (the EMA must not average a skipped step).
-    check = check_skip and scaler.is_enabled()
-    scale = scaler.get_scale() if check else 0.0
-    scaler.step(optimizer)
+    if not (check_skip and scaler.is_enabled()):
+        scaler.step(optimizer)
+        scaler.update()
+        return True
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        # A fused optimizer (fused=True; we build none) always gets step() and
+        # skips on the device. The scaler backs off (lowers its scale) exactly
+        # when it skips: reading the scale before and after costs two syncs.
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        return scaler.get_scale() >= scale
+    # GradScaler.step calls optimizer.step only if the gradients are finite, a
+    # decision it reads on the host anyway (one .item() per step, in
+    # GradScaler._maybe_opt_step of torch/amp/grad_scaler.py): a step post-hook
+    # hears it without another synchronization.
+    stepped = []
+    hook = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
+    try:
+        scaler.step(optimizer)
+    finally:
+        hook.remove()
     scaler.update()
-    return not check or scaler.get_scale() >= scale
+    return bool(stepped)
 
 
 @dataclass
