@@ -47,8 +47,9 @@ from distribuuuu.meters import (
     ConfusionMatrix,
     DataBoundWatch,
     MetricSums,
+    PeakMemory,
     format_eta,
-    peak_memory_mb,
+    memory_devices,
     per_class_top1,
     progress_bar,
 )
@@ -892,7 +893,10 @@ def dry_run(cfg: CfgNode) -> dict:
             max_iters=1,
         )
         done = time.perf_counter()
-        memory = max(du.all_gather_object(peak_memory_mb(device)))
+        # Nothing was reset: the peak of the whole dry run, build included, on
+        # every device of every rank.
+        peaks = PeakMemory(memory_devices(run.model, device)).read()
+        memory = max(mb for rank in du.all_gather_object(peaks) for mb in rank)
         timings = {
             "build_s": built - tic,
             "train_step_s": stepped - built,
@@ -1037,15 +1041,22 @@ def _train_epochs(
         return bool(stopped_by)
 
     stats: dict = {}
+    memory = PeakMemory(memory_devices(run.model, run.device))
     while progress.epoch < cfg.OPTIM.MAX_EPOCH:
+        memory.reset()  # the training epoch's own peak, not the run's
         if train_epoch(run, train_loader, cfg, after_step):
             return _stopped(cfg, stopped_by)
+        train_peak = memory.read()
         trained = progress.consumed  # over restarts, if any
         progress.epoch, progress.consumed = progress.epoch + 1, 0
-        stats = _evaluate_epoch(cfg, run, train_loader, val_loader, trained)
+        stats = _evaluate_epoch(
+            cfg, run, train_loader, val_loader, trained, train_peak=train_peak
+        )
         if run.ema is not None:
             with run.ema.swapped_in():
-                _evaluate_epoch(cfg, run, train_loader, val_loader, trained, True)
+                _evaluate_epoch(
+                    cfg, run, train_loader, val_loader, trained, True, train_peak
+                )
         last = progress.epoch == cfg.OPTIM.MAX_EPOCH
         stopped_by = stop.agreed()
         if stopped_by or last or progress.epoch % cfg.CHECKPOINT.PERIOD == 0:
@@ -1098,13 +1109,16 @@ def _evaluate_epoch(
     val_loader: DataLoader,
     trained: int,
     ema: bool = False,
+    train_peak: list[float] | None = None,
 ) -> dict:
     """Evaluate the model after an epoch (precise BN first, if asked), log it
     and save its best weights; its metrics.
 
     ``ema``: the model holds the EMA weights; ``trained``: the samples of the
-    epoch.
+    epoch; ``train_peak``: the epoch's training peak memory per device (MiB).
     """
+    memory = PeakMemory(memory_devices(run.model, run.device))
+    memory.reset()  # the evaluation's own peak (precise BN included)
     if cfg.TRAIN.PRECISE_BN:
         _recompute_bn(cfg, run, train_loader)
     stats, confusion = evaluate(
@@ -1118,7 +1132,9 @@ def _evaluate_epoch(
         run.amp_dtype,
     )
     stats["train_samples"] = trained
-    _log_eval_and_save(cfg, run, stats, confusion, ema)
+    eval_peak = memory.read()
+    peaks = {"train": train_peak or eval_peak, "eval": eval_peak}
+    _log_eval_and_save(cfg, run, stats, confusion, ema, peaks)
     return stats
 
 
@@ -1128,11 +1144,14 @@ def _log_eval_and_save(
     stats: dict,
     confusion: torch.Tensor,
     ema: bool = False,
+    peaks: dict[str, list[float]] | None = None,
 ) -> None:
     """Log an evaluation (1-based epoch ``progress.epoch``); save best weights.
 
     ``ema``: of the EMA weights, which the model holds: "val_ema" records and
-    scalars, best_ema.pth.
+    scalars, best_ema.pth.  ``peaks``: this rank's peak memory (MiB) per device
+    in the epoch's training (``"train"``) and in this evaluation (``"eval"``);
+    None: the peak so far for both.
     """
     progress, epoch = run.progress, run.progress.epoch
     # Before anything counts as best: the model holds the weights evaluated
@@ -1151,10 +1170,17 @@ def _log_eval_and_save(
         progress.best_ema_top1 = best
     else:
         progress.best_top1 = best
-    memory = du.all_gather_object(peak_memory_mb(run.device))
+    if peaks is None:
+        now = PeakMemory(memory_devices(run.model, run.device)).read()
+        peaks = {"train": now, "eval": now}
+    # One value per device: per rank, or per GPU of a DataParallel (dp).
+    ranks = du.all_gather_object(peaks)
+    train_peak = [mb for rank in ranks for mb in rank["train"]]
+    eval_peak = [mb for rank in ranks for mb in rank["eval"]]
+    memory = [max(pair) for pair in zip(train_peak, eval_peak)]
     logger.info(
         "%s ep %d/%d  loss %.4f  top1 %.2f  top%d %.2f  samples %d  best %.2f  "
-        "peak memory %.0f MiB",
+        "peak memory train %.0f / eval %.0f MiB",
         split,
         epoch,
         cfg.OPTIM.MAX_EPOCH,
@@ -1164,18 +1190,22 @@ def _log_eval_and_save(
         stats["topk"],
         stats["samples"],
         best,
-        max(memory),
+        max(train_peak),
+        max(eval_peak),
     )
     per_class = per_class_top1(confusion)
     record = {"split": split, "epoch": epoch, "world_size": run.plan.world_size}
-    record.update(stats, peak_mem_mb=memory, per_class_top1=per_class)
+    record.update(stats, peak_mem_mb=memory, train_peak_mem_mb=train_peak,
+                  eval_peak_mem_mb=eval_peak, per_class_top1=per_class)  # fmt: skip
     scalars = {
         f"{split}/loss": stats["loss"],
         f"{split}/top1": stats["top1"],
         f"{split}/topk": stats["topk"],
     }
-    if not ema:  # the same run, the same memory
+    if not ema:  # the EMA's evaluation is logged in its record only
         scalars["memory/peak_mb"] = max(memory)
+        scalars["memory/train_peak_mb"] = max(train_peak)
+        scalars["memory/eval_peak_mb"] = max(eval_peak)
     if len(per_class) <= reports.MAX_PLOTTED_CLASSES:
         for name, top1 in zip(run.classes, per_class):
             if top1 is not None:
