@@ -382,6 +382,31 @@ def train_epoch(
         end_status(keep=True)
 
 
+# Host synchronizations of a CUDA training step (each stalls the GPU queue);
+# keep this list true when the step changes.
+# Every step:
+# - fp16 only (GradScaler enabled): GradScaler.step reads its found-inf flag
+#   with .item() (GradScaler._maybe_opt_step, torch/amp/grad_scaler.py), once
+#   per device holding gradients. The EMA learns of a skipped step from that
+#   same read (_optimizer_step); bf16 and full precision have no scaler.
+# - MODEL.SYNCBN: torch's SyncBatchNorm forward drops the statistics of empty
+#   ranks with a boolean mask (count_all[mask] in torch/nn/modules/_functions.py,
+#   pytorch issue 78549): one sync per SyncBN layer and micro-batch.
+# - stop.agreed() in after_step, with more than one process: all_reduce_max_int
+#   through a CPU gloo group (.item() of a CPU tensor). No GPU sync, but a host
+#   collective: every step waits for the slowest rank's host.
+# Not syncs: waiting for the data loader (host); the .to(device,
+# non_blocking=True) of images (in the normalizer) and targets, from the
+# loader's pinned batches (TRAIN.PIN_MEMORY; from pageable memory CUDA may copy
+# synchronously); the mixing order (pinned, losses.host_to_device) and
+# torchvision's Mixup/CutMix draws (on the CPU generator); scaler.scale,
+# unscale_ and update (device-side kernels); clip_grad_norm_ (it reads back only
+# with error_if_nonfinite, off); SGD and AdamW steps (AdamW's step counts live
+# on the CPU unless capturable or fused); ZeRO-1's broadcasts (NCCL waits order
+# streams); the EMA's lerp (a host float weight); MetricSums.update.
+# At print steps: MetricSums.reduce (all_reduce + .tolist(), one sync); when the
+# window's loss is not finite, all_finite (one sync + a CPU collective).
+# At checkpoint steps: all_finite and the state dicts copied to the CPU.
 def _train_step(
     run: TrainState, batches, meter: MetricSums, loss_fn: TrainLoss, clip: float
 ) -> float:
