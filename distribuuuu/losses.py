@@ -56,6 +56,22 @@ def build_mixer(
     return mixer if mix_prob >= 1 else v2.RandomApply([mixer], p=mix_prob)
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor``, just made on the host, on ``device`` without waiting for it.
+
+    A copy to CUDA from pageable memory is synchronous; from page-locked
+    (pinned) memory with ``non_blocking=True`` it is queued on the stream.  The
+    pinned copy is made afresh at each call and handed to no one else: the
+    CUDA caching host allocator records the copy's stream and gives its block
+    out again only once the copy is done, so freeing it early is safe (what
+    must not happen is writing into a pinned tensor that is still being
+    copied).  Only CUDA has pinned memory; other devices get a plain copy.
+    """
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class TrainLoss:
     """Mixes a training micro-batch and computes its loss.
 
@@ -82,12 +98,19 @@ class TrainLoss:
         each sample with its neighbour and repeated augmentation may place
         copies of one image side by side; ``labels`` are the original labels
         in that order (for top-1), ``loss targets`` the soft mixed ones.
+
+        No host synchronization on CUDA: the order is copied from pinned memory
+        (:func:`host_to_device`), and torchvision's v2 MixUp / CutMix draw
+        their Beta weight, box and choice on the CPU generator and hand the
+        device Python floats and slices; their ``one_hot`` (with
+        ``num_classes``) skips its range check on CUDA and relies on a
+        device-side assert (aten/src/ATen/native/Onehot.cpp).
         """
         if self.mixer is None:
             return images, targets, targets
         with torch.random.fork_rng(devices=[]):  # the CPU generator only
             torch.default_generator.manual_seed(seed)
-            order = torch.randperm(len(targets)).to(targets.device)
+            order = host_to_device(torch.randperm(len(targets)), targets.device)
             images, targets = images[order], targets[order]
             mixed, soft = self.mixer(images, targets)
         return mixed, targets, soft

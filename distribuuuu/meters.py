@@ -7,6 +7,7 @@ import resource
 import sys
 
 import torch
+from torch import nn
 
 from distribuuuu import distributed as du
 
@@ -68,9 +69,13 @@ class ConfusionMatrix:
         self.counts = torch.zeros(num_classes**2, dtype=torch.int64, device=device)
 
     def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        """Add a batch of predictions."""
+        """Add a batch of predictions; a label outside ``[0, num_classes)`` is an
+        error (IndexError on the CPU, a device-side assert on CUDA)."""
         pairs = targets * self.num_classes + logits.argmax(dim=1)
-        self.counts += torch.bincount(pairs, minlength=self.num_classes**2)
+        # index_add_, not torch.bincount: on CUDA bincount reads the min and max
+        # of its input back to the host to size its output (two synchronizations
+        # per batch), where index_add_ adds into the counts we already hold.
+        self.counts.index_add_(0, pairs, torch.ones_like(pairs))
 
     def reduce(self) -> torch.Tensor:
         """The global matrix (num_classes x num_classes) on the CPU."""
@@ -86,15 +91,48 @@ def per_class_top1(matrix: torch.Tensor) -> list[float | None]:
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process so far, in MiB.
+    """Peak memory of this process on ``device``, in MiB.
 
-    CUDA: the most memory tensors ever held on ``device``
-    (``torch.cuda.max_memory_allocated``); CPU: the peak resident set size.
+    CUDA: the most memory tensors held on ``device`` since the last
+    ``torch.cuda.reset_peak_memory_stats`` (``max_memory_allocated``); CPU:
+    the peak resident set size since the process started (``ru_maxrss``,
+    which cannot be reset).
     """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # B or KiB
+
+
+def memory_devices(model: nn.Module, device: torch.device) -> list[torch.device]:
+    """The devices whose memory this process's ``model`` uses: every GPU of a
+    DataParallel (DIST.MODE dp), else this process's ``device``."""
+    if isinstance(model, nn.DataParallel) and model.device_ids:
+        return [torch.device("cuda", index) for index in model.device_ids]
+    return [device]
+
+
+class PeakMemory:
+    """Peak memory of a phase of the run (a training epoch, an evaluation) on
+    each of this process's devices.
+
+    :meth:`reset` starts the phase, :meth:`read` gives one figure per device.
+    On the CPU there is nothing to reset: the figure is the process's peak
+    resident set size since it started.
+    """
+
+    def __init__(self, devices: list[torch.device]):
+        self.devices = list(devices)
+
+    def reset(self) -> None:
+        """Forget the peaks so far (CUDA devices)."""
+        for device in self.devices:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+
+    def read(self) -> list[float]:
+        """The peak of each device since :meth:`reset`, in MiB."""
+        return [peak_memory_mb(device) for device in self.devices]
 
 
 class DataBoundWatch:

@@ -47,8 +47,9 @@ from distribuuuu.meters import (
     ConfusionMatrix,
     DataBoundWatch,
     MetricSums,
+    PeakMemory,
     format_eta,
-    peak_memory_mb,
+    memory_devices,
     per_class_top1,
     progress_bar,
 )
@@ -189,14 +190,30 @@ def _optimizer_step(
     if clip_grad_norm > 0:
         scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-    # The scaler backs off (lowers its scale) exactly when it skips the step
-    # for non-finite gradients. Reading the scale waits for the device, so it
-    # is read only when asked (the EMA must not average a skipped step).
-    check = check_skip and scaler.is_enabled()
-    scale = scaler.get_scale() if check else 0.0
-    scaler.step(optimizer)
+    if not (check_skip and scaler.is_enabled()):
+        scaler.step(optimizer)
+        scaler.update()
+        return True
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        # A fused optimizer (fused=True; we build none) always gets step() and
+        # skips on the device. The scaler backs off (lowers its scale) exactly
+        # when it skips: reading the scale before and after costs two syncs.
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        return scaler.get_scale() >= scale
+    # GradScaler.step calls optimizer.step only if the gradients are finite, a
+    # decision it reads on the host anyway (one .item() per step, in
+    # GradScaler._maybe_opt_step of torch/amp/grad_scaler.py): a step post-hook
+    # hears it without another synchronization.
+    stepped = []
+    hook = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
+    try:
+        scaler.step(optimizer)
+    finally:
+        hook.remove()
     scaler.update()
-    return not check or scaler.get_scale() >= scale
+    return bool(stepped)
 
 
 @dataclass
@@ -384,6 +401,31 @@ def train_epoch(
         end_status(keep=True)
 
 
+# Host synchronizations of a CUDA training step (each stalls the GPU queue);
+# keep this list true when the step changes.
+# Every step:
+# - fp16 only (GradScaler enabled): GradScaler.step reads its found-inf flag
+#   with .item() (GradScaler._maybe_opt_step, torch/amp/grad_scaler.py), once
+#   per device holding gradients. The EMA learns of a skipped step from that
+#   same read (_optimizer_step); bf16 and full precision have no scaler.
+# - MODEL.SYNCBN: torch's SyncBatchNorm forward drops the statistics of empty
+#   ranks with a boolean mask (count_all[mask] in torch/nn/modules/_functions.py,
+#   pytorch issue 78549): one sync per SyncBN layer and micro-batch.
+# - stop.agreed() in after_step, with more than one process: all_reduce_max_int
+#   through a CPU gloo group (.item() of a CPU tensor). No GPU sync, but a host
+#   collective: every step waits for the slowest rank's host.
+# Not syncs: waiting for the data loader (host); the .to(device,
+# non_blocking=True) of images (in the normalizer) and targets, from the
+# loader's pinned batches (TRAIN.PIN_MEMORY; from pageable memory CUDA may copy
+# synchronously); the mixing order (pinned, losses.host_to_device) and
+# torchvision's Mixup/CutMix draws (on the CPU generator); scaler.scale,
+# unscale_ and update (device-side kernels); clip_grad_norm_ (it reads back only
+# with error_if_nonfinite, off); SGD and AdamW steps (AdamW's step counts live
+# on the CPU unless capturable or fused); ZeRO-1's broadcasts (NCCL waits order
+# streams); the EMA's lerp (a host float weight); MetricSums.update.
+# At print steps: MetricSums.reduce (all_reduce + .tolist(), one sync); when the
+# window's loss is not finite, all_finite (one sync + a CPU collective).
+# At checkpoint steps: all_finite and the state dicts copied to the CPU.
 def _train_step(
     run: TrainState, batches, meter: MetricSums, loss_fn: TrainLoss, clip: float
 ) -> float:
@@ -895,7 +937,10 @@ def dry_run(cfg: CfgNode) -> dict:
             max_iters=1,
         )
         done = time.perf_counter()
-        memory = max(du.all_gather_object(peak_memory_mb(device)))
+        # Nothing was reset: the peak of the whole dry run, build included, on
+        # every device of every rank.
+        peaks = PeakMemory(memory_devices(run.model, device)).read()
+        memory = max(mb for rank in du.all_gather_object(peaks) for mb in rank)
         timings = {
             "build_s": built - tic,
             "train_step_s": stepped - built,
@@ -1040,15 +1085,22 @@ def _train_epochs(
         return bool(stopped_by)
 
     stats: dict = {}
+    memory = PeakMemory(memory_devices(run.model, run.device))
     while progress.epoch < cfg.OPTIM.MAX_EPOCH:
+        memory.reset()  # the training epoch's own peak, not the run's
         if train_epoch(run, train_loader, cfg, after_step):
             return _stopped(cfg, stopped_by)
+        train_peak = memory.read()
         trained = progress.consumed  # over restarts, if any
         progress.epoch, progress.consumed = progress.epoch + 1, 0
-        stats = _evaluate_epoch(cfg, run, train_loader, val_loader, trained)
+        stats = _evaluate_epoch(
+            cfg, run, train_loader, val_loader, trained, train_peak=train_peak
+        )
         if run.ema is not None:
             with run.ema.swapped_in():
-                _evaluate_epoch(cfg, run, train_loader, val_loader, trained, True)
+                _evaluate_epoch(
+                    cfg, run, train_loader, val_loader, trained, True, train_peak
+                )
         last = progress.epoch == cfg.OPTIM.MAX_EPOCH
         stopped_by = stop.agreed()
         if stopped_by or last or progress.epoch % cfg.CHECKPOINT.PERIOD == 0:
@@ -1101,13 +1153,16 @@ def _evaluate_epoch(
     val_loader: DataLoader,
     trained: int,
     ema: bool = False,
+    train_peak: list[float] | None = None,
 ) -> dict:
     """Evaluate the model after an epoch (precise BN first, if asked), log it
     and save its best weights; its metrics.
 
     ``ema``: the model holds the EMA weights; ``trained``: the samples of the
-    epoch.
+    epoch; ``train_peak``: the epoch's training peak memory per device (MiB).
     """
+    memory = PeakMemory(memory_devices(run.model, run.device))
+    memory.reset()  # the evaluation's own peak (precise BN included)
     if cfg.TRAIN.PRECISE_BN:
         _recompute_bn(cfg, run, train_loader)
     stats, confusion = evaluate(
@@ -1121,7 +1176,9 @@ def _evaluate_epoch(
         run.amp_dtype,
     )
     stats["train_samples"] = trained
-    _log_eval_and_save(cfg, run, stats, confusion, ema)
+    eval_peak = memory.read()
+    peaks = {"train": train_peak or eval_peak, "eval": eval_peak}
+    _log_eval_and_save(cfg, run, stats, confusion, ema, peaks)
     return stats
 
 
@@ -1131,11 +1188,14 @@ def _log_eval_and_save(
     stats: dict,
     confusion: torch.Tensor,
     ema: bool = False,
+    peaks: dict[str, list[float]] | None = None,
 ) -> None:
     """Log an evaluation (1-based epoch ``progress.epoch``); save best weights.
 
     ``ema``: of the EMA weights, which the model holds: "val_ema" records and
-    scalars, best_ema.pth.
+    scalars, best_ema.pth.  ``peaks``: this rank's peak memory (MiB) per device
+    in the epoch's training (``"train"``) and in this evaluation (``"eval"``);
+    None: the peak so far for both.
     """
     progress, epoch = run.progress, run.progress.epoch
     # Before anything counts as best: the model holds the weights evaluated
@@ -1154,10 +1214,17 @@ def _log_eval_and_save(
         progress.best_ema_top1 = best
     else:
         progress.best_top1 = best
-    memory = du.all_gather_object(peak_memory_mb(run.device))
+    if peaks is None:
+        now = PeakMemory(memory_devices(run.model, run.device)).read()
+        peaks = {"train": now, "eval": now}
+    # One value per device: per rank, or per GPU of a DataParallel (dp).
+    ranks = du.all_gather_object(peaks)
+    train_peak = [mb for rank in ranks for mb in rank["train"]]
+    eval_peak = [mb for rank in ranks for mb in rank["eval"]]
+    memory = [max(pair) for pair in zip(train_peak, eval_peak)]
     logger.info(
         "%s ep %d/%d  loss %.4f  top1 %.2f  top%d %.2f  samples %d  best %.2f  "
-        "peak memory %.0f MiB",
+        "peak memory train %.0f / eval %.0f MiB",
         split,
         epoch,
         cfg.OPTIM.MAX_EPOCH,
@@ -1167,18 +1234,22 @@ def _log_eval_and_save(
         stats["topk"],
         stats["samples"],
         best,
-        max(memory),
+        max(train_peak),
+        max(eval_peak),
     )
     per_class = per_class_top1(confusion)
     record = {"split": split, "epoch": epoch, "world_size": run.plan.world_size}
-    record.update(stats, peak_mem_mb=memory, per_class_top1=per_class)
+    record.update(stats, peak_mem_mb=memory, train_peak_mem_mb=train_peak,
+                  eval_peak_mem_mb=eval_peak, per_class_top1=per_class)  # fmt: skip
     scalars = {
         f"{split}/loss": stats["loss"],
         f"{split}/top1": stats["top1"],
         f"{split}/topk": stats["topk"],
     }
-    if not ema:  # the same run, the same memory
+    if not ema:  # the EMA's evaluation is logged in its record only
         scalars["memory/peak_mb"] = max(memory)
+        scalars["memory/train_peak_mb"] = max(train_peak)
+        scalars["memory/eval_peak_mb"] = max(eval_peak)
     if len(per_class) <= reports.MAX_PLOTTED_CLASSES:
         for name, top1 in zip(run.classes, per_class):
             if top1 is not None:
