@@ -287,6 +287,14 @@ def test_more_processes_than_gpus_exits_2_naming_the_counts(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_exits_2(tmp_path):
+    result = call_main(*TINY, "DEVICE", "cuda", "OUT_DIR", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "DEVICE cuda, but CUDA is not available" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 # --- CUDNN.DETERMINISTIC turns CUDNN.BENCHMARK off --------------------------
 
 

@@ -34,7 +34,8 @@ EXIT_CODES = """exit codes:
        OUT_DIR (missing, of another architecture, or refused: it holds pickled
        code or points outside its folder), OUT_DIR (not writable, disk full,
        holding another run with TRAIN.AUTO_RESUME False) or the launch (srun
-       forgotten)
+       forgotten, DEVICE cuda without CUDA, more processes on a node than
+       visible GPUs)
   130  interrupted (Ctrl-C); 128+N: stopped by signal N (after saving a
        checkpoint, once training has started)
 every error ends with one line on stderr that starts with "error: "."""
@@ -206,12 +207,18 @@ def check_weights(
 
 
 def check_launch(cfg, num_procs: int = 1) -> None:
-    """Refuse a launch that cannot work: srun forgotten in a batch script, or
-    more processes on a node than GPUs for them (``num_procs``: --num-procs)."""
+    """Refuse a launch that cannot work: srun forgotten in a batch script,
+    DEVICE cuda without CUDA, or more processes on a node than GPUs for them
+    (``num_procs``: --num-procs)."""
     import torch
 
     from distribuuuu.distributed import LaunchError, detect_launch, gpu_index
 
+    if cfg.DEVICE == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "DEVICE cuda, but CUDA is not available to this process (torch "
+            f"{torch.__version__}); set DEVICE auto or cpu"
+        )
     try:
         info = detect_launch()
         on_gpus = cfg.DEVICE != "cpu" and torch.cuda.is_available()
