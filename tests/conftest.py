@@ -80,8 +80,16 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, **kwargs)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def _default_sigint() -> None:
+    # A shell without job control starts background commands with SIGINT
+    # ignored, and the ignoring is inherited (CI run with `&`): the command
+    # then gets Ctrl-C as a terminal would deliver it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-    """Start ``cmd`` in a new session; stop it with :func:`kill_session`."""
+    """Start ``cmd`` in a new session, with SIGINT's default action; stop it
+    with :func:`kill_session`."""
     return subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -90,6 +98,7 @@ def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=_default_sigint,
     )
 
 
