@@ -357,6 +357,32 @@ def _recompute_contexts(block: nn.Module) -> tuple:
     return contextlib.nullcontext(), _frozen_norm_statistics(block)
 
 
+@functools.cache
+def _recomputed_class(cls: type) -> type:
+    """``cls`` with its forward pass recomputed in the backward pass
+    (non-reentrant ``checkpoint``, running statistics frozen meanwhile).
+
+    A subclass, put in place of a block's class: a ``forward`` set on the
+    instance would be bound to that block, and DataParallel's replicas copy
+    the instance's ``__dict__`` (``Module._replicate_for_data_parallel``), so
+    every replica would run the original block's weights, on cuda:0.  A
+    method of the class finds the module it is called on.
+    """
+    if getattr(cls, "_recomputes_forward", False):
+        return cls
+
+    class Recomputed(cls):
+        _recomputes_forward = True
+
+        def forward(self, *args, **kwargs):
+            contexts = functools.partial(_recompute_contexts, self)
+            return checkpoint(super().forward, *args, use_reentrant=False,
+                              context_fn=contexts, **kwargs)  # fmt: skip
+
+    Recomputed.__name__, Recomputed.__qualname__ = cls.__name__, cls.__qualname__
+    return Recomputed
+
+
 def _keeps_running_statistics(model: nn.Module) -> bool:
     """True when a layer of ``model`` keeps running statistics in buffers
     (BatchNorm's ``running_mean``/``running_var``, timm's EvoNorm ``running_var``)."""
@@ -393,10 +419,7 @@ def enable_activation_checkpointing(model: nn.Module) -> int:
     """
     blocks = find_blocks(model)
     for block in blocks:
-        contexts = functools.partial(_recompute_contexts, block)
-        block.forward = functools.partial(
-            checkpoint, block.forward, use_reentrant=False, context_fn=contexts
-        )
+        block.__class__ = _recomputed_class(type(block))
     if blocks:
         return len(blocks)
     name, why = type(model).__name__, ""

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_ok, opts, read_metrics, torchrun, train_net
 from distributed_utils import run_on_ranks
+from torch import nn
 
 from distribuuuu.inference import read_checkpoint
 from distribuuuu.models import build_model
@@ -216,6 +217,34 @@ def test_activation_checkpointing_changes_nothing_but_memory(arch):
     expected = plain.state_dict()
     for key, value in recomputed.state_dict().items():
         torch.testing.assert_close(value, expected[key], msg=key)
+
+
+def _replicate_doubled(model: nn.Module) -> nn.Module:
+    """What DataParallel's ``replicate`` makes for another GPU, on the CPU:
+    every module copied by ``_replicate_for_data_parallel`` (its ``__dict__``
+    copied), children relinked, parameters replaced, by their double here."""
+    replicas = {m: m._replicate_for_data_parallel() for m in model.modules()}
+    for module, replica in replicas.items():
+        for name, child in module._modules.items():
+            replica._modules[name] = replicas[child]
+        for name, param in module._parameters.items():
+            replica._parameters[name] = None if param is None else param.detach() * 2
+    return replicas[model]
+
+
+def test_checkpointed_blocks_of_a_replica_run_the_replicas_weights():
+    """MODEL.ACT_CKPT under DIST.MODE dp: each replica's blocks must compute
+    with that replica's weights (on its GPU), not with the original's."""
+    torch.manual_seed(0)
+    model = build_model("resnet8", 10).eval()
+    doubled = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in doubled.parameters():
+            param.mul_(2)
+    assert enable_activation_checkpointing(model) > 0
+    replica = _replicate_doubled(model)
+    images = torch.randn(2, 3, 32, 32, requires_grad=True)
+    torch.testing.assert_close(replica(images), doubled(images))
 
 
 def test_timm_activation_checkpointing_updates_batchnorm_statistics_once(
