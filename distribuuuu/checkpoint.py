@@ -45,7 +45,7 @@ import pickle
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -752,13 +752,14 @@ def load_model_weights(
     return skipped
 
 
-def capture_rng_state(device: torch.device | None = None) -> dict:
-    """The RNG states of Python, NumPy and torch of this process: the CPU's and,
-    on a CUDA ``device``, that device's only (``"cuda_device"``).
+def capture_rng_state(devices: Sequence[torch.device] = ()) -> dict:
+    """The RNG states of Python, NumPy and torch of this process: the CPU's and
+    those of its CUDA ``devices``, in their order (``"cuda_devices"``).
 
-    Only the process's own GPU: a resume may see other GPUs, or another
-    number of them (8 per process at save time, 1 under
-    ``srun --gpus-per-task=1`` at resume), and their generators are not its.
+    Only the process's own GPUs (one, or every GPU of a DataParallel): a
+    resume may see other GPUs, or another number of them (8 per process at
+    save time, 1 under ``srun --gpus-per-task=1`` at resume), whose
+    generators are not its.
     """
     version, numbers, gauss = random.getstate()
     np_state = np.random.get_state()
@@ -773,29 +774,32 @@ def capture_rng_state(device: torch.device | None = None) -> dict:
         ],
         "torch": torch.get_rng_state(),
     }
-    if device is not None and device.type == "cuda":
-        state["cuda_device"] = torch.cuda.get_rng_state(device)
+    gpus = [device for device in devices if device.type == "cuda"]
+    if gpus:
+        state["cuda_devices"] = [torch.cuda.get_rng_state(gpu) for gpu in gpus]
     return state
 
 
-def restore_rng_state(state: dict, device: torch.device | None = None) -> None:
-    """Restore states captured by :func:`capture_rng_state`; on a CUDA
-    ``device``, its generator from the saved one (none saved: left alone).
+def restore_rng_state(state: dict, devices: Sequence[torch.device] = ()) -> None:
+    """Restore states captured by :func:`capture_rng_state`; the CUDA
+    ``devices`` get the saved GPU states in order (those without one keep
+    theirs).
 
     Older checkpoints hold the states of every GPU the process saw
-    (``"cuda"``, a list by device index): the entry of ``device``'s index is
-    taken if there is one.
+    (``"cuda"``, a list by device index): each device gets the entry of its
+    index, if there is one.
     """
     version, numbers, gauss = state["python"]
     random.setstate((version, tuple(numbers), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if device is None or device.type != "cuda":
-        return
-    saved = state.get("cuda_device")
-    if saved is None and device.index is not None:
+    gpus = [device for device in devices if device.type == "cuda"]
+    saved = state.get("cuda_devices")
+    if saved is None:  # the older layout
         every = state.get("cuda") or []
-        saved = every[device.index] if device.index < len(every) else None
-    if saved is not None:
-        torch.cuda.set_rng_state(saved, device)
+        pairs = [(gpu, every[gpu.index]) for gpu in gpus if gpu.index < len(every)]
+    else:
+        pairs = list(zip(gpus, saved))
+    for gpu, gpu_state in pairs:
+        torch.cuda.set_rng_state(gpu_state, gpu)

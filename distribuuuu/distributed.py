@@ -66,6 +66,8 @@ class LaunchInfo:
     local_world_size: int
     master_addr: str
     master_port: int
+    # GPUs Slurm gave this node (SLURM_GPUS_ON_NODE); None where unknown.
+    node_gpus: int | None = None
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -155,19 +157,28 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
             local_world_size=tasks_on_node(tasks_per_node, node),
             master_addr=env.get("MASTER_ADDR", nodes[0]),
             master_port=int(env.get("MASTER_PORT", port)),
+            node_gpus=_count(env.get("SLURM_GPUS_ON_NODE", "")),
         )
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", "0"))
         return LaunchInfo(
             launcher="torchrun",
             rank=int(env["RANK"]),
             world_size=world,
-            local_rank=int(env.get("LOCAL_RANK", "0")),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            local_rank=local_rank,
+            # torchrun and --num-procs set it; a launcher that sets only RANK
+            # and WORLD_SIZE (one process per node or container) runs at least
+            # LOCAL_RANK + 1 processes here.
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", local_rank + 1)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", "29500")),
         )
     return LaunchInfo("none", 0, 1, 0, 1, "127.0.0.1", 0)
+
+
+def _count(text: str) -> int | None:
+    return int(text) if text.isdigit() else None
 
 
 def tasks_on_node(tasks_per_node: str, node: int) -> int:
@@ -185,17 +196,24 @@ def tasks_on_node(tasks_per_node: str, node: int) -> int:
     return counts[min(node, len(counts) - 1)]
 
 
-def gpu_index(local_rank: int, local_world_size: int, visible: int) -> int:
+def gpu_index(
+    local_rank: int, local_world_size: int, visible: int, node_gpus: int | None = None
+) -> int:
     """The CUDA device index of a process, given the GPUs it can see.
 
     One visible GPU is the process's own (a scheduler that binds one GPU to
     each task, as ``srun --gpus-per-task=1`` does, hides the others): index 0.
-    With several, process ``local_rank`` takes GPU ``local_rank``, and there
-    must be one for each process of the node: two processes on one GPU make
-    NCCL abort ("Duplicate GPU detected"), so that launch raises LaunchError.
+    Fewer than the node's ``node_gpus`` (Slurm binds a set of GPUs to each
+    task: ``--gpus-per-task=2``, ``--gpu-bind=closest``): GPU ``local_rank``
+    modulo the set.  Otherwise every process sees all of them: process
+    ``local_rank`` takes GPU ``local_rank``, and there must be one for each
+    process of the node: two processes on one GPU make NCCL abort
+    ("Duplicate GPU detected"), so that launch raises LaunchError.
     """
     if visible == 1:
         return 0
+    if node_gpus is not None and visible < node_gpus:
+        return local_rank % visible
     if local_world_size > visible or local_rank >= visible:
         raise LaunchError(
             f"{max(local_world_size, local_rank + 1)} processes on this node "
@@ -209,14 +227,18 @@ def gpu_index(local_rank: int, local_world_size: int, visible: int) -> int:
 
 
 def select_device(
-    preference: str, local_rank: int, local_world_size: int = 1
+    preference: str,
+    local_rank: int,
+    local_world_size: int = 1,
+    node_gpus: int | None = None,
 ) -> torch.device:
     """The one device of this process: its GPU (see :func:`gpu_index`) or ``cpu``."""
     if preference == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("DEVICE cuda was asked for, but CUDA is not available")
     if preference == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    index = gpu_index(local_rank, local_world_size, torch.cuda.device_count())
+    visible = torch.cuda.device_count()
+    index = gpu_index(local_rank, local_world_size, visible, node_gpus)
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     return device
@@ -282,7 +304,9 @@ def setup_distributed(
     """
     info = detect_launch()
     _GROUP.clear()  # no group joined (yet) by this run
-    device = select_device(device_preference, info.local_rank, info.local_world_size)
+    device = select_device(
+        device_preference, info.local_rank, info.local_world_size, info.node_gpus
+    )
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Share the cores between the processes of this node instead of every
         # process starting one thread per core.
@@ -306,15 +330,30 @@ def setup_distributed(
             )
         except (RuntimeError, ValueError) as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            nodes = info.local_world_size < info.world_size
+            advice = f"; {_GLOO_INTERFACE}" * ("gloo" in backend and nodes)
             raise DistributedSetupError(
                 f"rank {info.rank} of {info.world_size} could not join the process "
                 f"group at {info.master_addr}:{info.master_port} ({backend}, "
                 f"{info.launcher}) within DIST.INIT_TIMEOUT={timeout_s:g}s: "
-                f"{type(error).__name__}: {reason}"
+                f"{type(error).__name__}: {reason}{advice}"
             ) from error
         _remember_group(info.rank, info.world_size, timeout_s)
-        _join_control_group(info.rank, timeout_s)
+        try:
+            _join_control_group(info.rank, timeout_s)
+        except DistributedSetupError:
+            dist.destroy_process_group()  # run_context's cleanup has not begun
+            raise
     return info, device
+
+
+# Where gloo fails to connect nodes, the usual cause and cure.
+_GLOO_INTERFACE = (
+    "gloo connects through the network interface of this node's host name, "
+    "which must reach the other nodes (not resolve to 127.0.x.x): name the "
+    "interface with GLOO_SOCKET_IFNAME (e.g. GLOO_SOCKET_IFNAME=eth0, as "
+    "NCCL_SOCKET_IFNAME does for NCCL)"
+)
 
 
 # The group joined by setup_distributed: rank, world size, timeout and its
@@ -536,11 +575,7 @@ def _join_control_group(rank: int, timeout_s: float) -> None:
         raise DistributedSetupError(
             f"rank {rank}: the gloo group of the run's host-side checks could not "
             f"form within DIST.INIT_TIMEOUT={timeout_s:g}s "
-            f"({_backend_reason(str(error))}); gloo connects through the network "
-            "interface of this node's host name, which must reach the other "
-            "nodes (not resolve to 127.0.x.x): name the interface with "
-            "GLOO_SOCKET_IFNAME (e.g. GLOO_SOCKET_IFNAME=eth0, as "
-            "NCCL_SOCKET_IFNAME does for NCCL)"
+            f"({_backend_reason(str(error))}); {_GLOO_INTERFACE}"
         ) from error
 
 

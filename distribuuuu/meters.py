@@ -7,7 +7,6 @@ import resource
 import sys
 
 import torch
-from torch import nn
 
 from distribuuuu import distributed as du
 
@@ -102,14 +101,6 @@ def peak_memory_mb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # B or KiB
-
-
-def memory_devices(model: nn.Module, device: torch.device) -> list[torch.device]:
-    """The devices whose memory this process's ``model`` uses: every GPU of a
-    DataParallel (DIST.MODE dp), else this process's ``device``."""
-    if isinstance(model, nn.DataParallel) and model.device_ids:
-        return [torch.device("cuda", index) for index in model.device_ids]
-    return [device]
 
 
 class PeakMemory:

@@ -188,6 +188,14 @@ def replicas_under_autocast(replicas: list, device_type: str) -> list:
     return [_UnderAutocast(replica, device_type, dtype) for replica in replicas]
 
 
+def model_devices(model: nn.Module, device: torch.device) -> list[torch.device]:
+    """The devices this process's ``model`` runs on: every GPU of a
+    DataParallel (DIST.MODE dp), else this process's ``device``."""
+    if isinstance(model, nn.DataParallel) and model.device_ids:
+        return [torch.device("cuda", index) for index in model.device_ids]
+    return [device]
+
+
 def broadcast_buffers(model: nn.Module, src: int = 0) -> None:
     """Copy rank ``src``'s buffers (BatchNorm running statistics) to every rank.
 

@@ -49,7 +49,6 @@ from distribuuuu.meters import (
     MetricSums,
     PeakMemory,
     format_eta,
-    memory_devices,
     per_class_top1,
     progress_bar,
 )
@@ -62,6 +61,7 @@ from distribuuuu.parallel import (
     load_model_state,
     load_optimizer_state,
     load_sharded_state,
+    model_devices,
     model_state_dict,
     optimizer_state_dict,
     shard_optimizer,
@@ -714,7 +714,9 @@ def save_training_checkpoint(cfg: CfgNode, run: TrainState) -> None:
         "best_top1": progress.best_top1,
         "best_ema_top1": progress.best_ema_top1,
         "seed": progress.seed,
-        "rng": du.all_gather_object(cp.capture_rng_state(run.device)),
+        "rng": du.all_gather_object(
+            cp.capture_rng_state(model_devices(run.model, run.device))
+        ),
         "world_size": plan.world_size,
         "global_batch": plan.global_batch,
         "batch_per_rank": plan.per_rank,
@@ -939,7 +941,7 @@ def dry_run(cfg: CfgNode) -> dict:
         done = time.perf_counter()
         # Nothing was reset: the peak of the whole dry run, build included, on
         # every device of every rank.
-        peaks = PeakMemory(memory_devices(run.model, device)).read()
+        peaks = PeakMemory(model_devices(run.model, device)).read()
         memory = max(mb for rank in du.all_gather_object(peaks) for mb in rank)
         timings = {
             "build_s": built - tic,
@@ -1013,7 +1015,7 @@ def _build_run(
     val_loader = build_test_loader(cfg, val_set, rank, world, device)
     _check_loader(train_loader, plan)
     if saved is not None and len(saved["rng"]) == world:
-        cp.restore_rng_state(saved["rng"][rank], device)
+        cp.restore_rng_state(saved["rng"][rank], model_devices(model, device))
     steps_per_epoch = len(train_loader) // plan.accum
     clock = RunClock(
         cfg.OPTIM.MAX_EPOCH * steps_per_epoch,
@@ -1085,7 +1087,7 @@ def _train_epochs(
         return bool(stopped_by)
 
     stats: dict = {}
-    memory = PeakMemory(memory_devices(run.model, run.device))
+    memory = PeakMemory(model_devices(run.model, run.device))
     while progress.epoch < cfg.OPTIM.MAX_EPOCH:
         memory.reset()  # the training epoch's own peak, not the run's
         if train_epoch(run, train_loader, cfg, after_step):
@@ -1161,7 +1163,7 @@ def _evaluate_epoch(
     ``ema``: the model holds the EMA weights; ``trained``: the samples of the
     epoch; ``train_peak``: the epoch's training peak memory per device (MiB).
     """
-    memory = PeakMemory(memory_devices(run.model, run.device))
+    memory = PeakMemory(model_devices(run.model, run.device))
     memory.reset()  # the evaluation's own peak (precise BN included)
     if cfg.TRAIN.PRECISE_BN:
         _recompute_bn(cfg, run, train_loader)
@@ -1215,7 +1217,7 @@ def _log_eval_and_save(
     else:
         progress.best_top1 = best
     if peaks is None:
-        now = PeakMemory(memory_devices(run.model, run.device)).read()
+        now = PeakMemory(model_devices(run.model, run.device)).read()
         peaks = {"train": now, "eval": now}
     # One value per device: per rank, or per GPU of a DataParallel (dp).
     ranks = du.all_gather_object(peaks)

@@ -24,6 +24,7 @@ from distribuuuu import checkpoint as cp
 from distribuuuu import distributed as du
 from distribuuuu import parallel, trainer
 from distribuuuu.config import get_cfg
+from distribuuuu.launch import spawn
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_two_gpus = pytest.mark.skipif(
@@ -177,12 +178,23 @@ class _FakeCudaRng:
 
 def test_rng_state_of_8_gpus_resumes_on_1(monkeypatch):
     fake = _FakeCudaRng(monkeypatch, count=8)
-    saved = cp.capture_rng_state(torch.device("cuda", 5))
-    assert saved["cuda_device"].tolist() == [5, 7]  # this rank's GPU only
+    saved = cp.capture_rng_state([torch.device("cuda", 5)])
+    assert [s.tolist() for s in saved["cuda_devices"]] == [[5, 7]]  # its GPU only
     assert "cuda" not in saved
     fake.count = 1  # srun --gpus-per-task=1: the resumed rank sees its GPU as 0
-    cp.restore_rng_state(saved, torch.device("cuda", 0))
+    cp.restore_rng_state(saved, [torch.device("cuda", 0)])
     assert fake.set_calls == [([5, 7], 0)]
+
+
+def test_rng_states_of_every_data_parallel_gpu(monkeypatch):
+    fake = _FakeCudaRng(monkeypatch, count=4)
+    gpus = [torch.device("cuda", i) for i in (0, 1)]
+    saved = cp.capture_rng_state(gpus)
+    cp.restore_rng_state(saved, gpus)
+    assert fake.set_calls == [([0, 7], 0), ([1, 7], 1)]
+    fake.set_calls.clear()
+    cp.restore_rng_state(cp.capture_rng_state([torch.device("cpu")]), gpus)
+    assert fake.set_calls == []  # saved on the CPU: the GPUs keep theirs
 
 
 def test_old_checkpoints_with_every_gpus_rng_state_still_resume(monkeypatch):
@@ -190,36 +202,58 @@ def test_old_checkpoints_with_every_gpus_rng_state_still_resume(monkeypatch):
     old = cp.capture_rng_state()
     old["cuda"] = [fake.get_rng_state(i) for i in range(8)]  # saved before
     fake.count = 4  # 2 nodes x 4 GPUs instead of 1 x 8
-    cp.restore_rng_state(old, torch.device("cuda", 3))
-    cp.restore_rng_state(old, torch.device("cpu"))  # no GPU: CPU state only
+    cp.restore_rng_state(old, [torch.device("cuda", 3)])
+    cp.restore_rng_state(old, [torch.device("cpu")])  # no GPU: CPU state only
     assert fake.set_calls == [([3, 7], 3)]
     fake.set_calls.clear()
     old["cuda"] = old["cuda"][:2]  # fewer states than this device's index
-    cp.restore_rng_state(old, torch.device("cuda", 3))
+    cp.restore_rng_state(old, [torch.device("cuda", 3)])
     assert fake.set_calls == []
 
 
 # --- More processes on a node than visible GPUs -----------------------------
 
 
+# Rank 0 of 8 on one node: the rank that reports.
+_TORCHRUN_8 = {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0",
+               "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
+_SRUN_8 = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0",
+           "SLURM_NODELIST": "localhost", "SLURM_TASKS_PER_NODE": "8",
+           "SLURM_NODEID": "0", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "1"}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "local_rank, local_world, visible, expected",
+    "local_rank, local_world, visible, node_gpus, expected",
     [
-        (0, 1, 1, 0),
-        (5, 8, 1, 0),
-        (3, 4, 4, 3),
-        (1, 2, 8, 1),
-        (5, 8, 4, None),
-        (0, 8, 4, None),
-        (2, 1, 2, None),
+        (0, 1, 1, None, 0),
+        (5, 8, 1, None, 0),  # one GPU bound to each task: its cuda:0
+        (3, 4, 4, None, 3),
+        (1, 2, 8, None, 1),
+        (5, 8, 4, None, None),  # 8 processes, 4 GPUs seen by all
+        (0, 8, 4, None, None),
+        (2, 1, 2, None, None),
+        (5, 8, 4, 4, None),  # --gres=gpu:4 and 8 tasks: every task sees all 4
+        (3, 4, 2, 8, 1),  # --gpus-per-task=2: each task sees its own pair
+        (5, 8, 4, 8, 1),  # --gpu-bind=closest: a socket's 4 of the node's 8
     ],
 )
-def test_gpu_index(local_rank, local_world, visible, expected):
+def test_gpu_index(local_rank, local_world, visible, node_gpus, expected):
     if expected is None:
         with pytest.raises(du.LaunchError, match=f"{visible} GPUs are visible"):
-            du.gpu_index(local_rank, local_world, visible)
+            du.gpu_index(local_rank, local_world, visible, node_gpus)
     else:
-        assert du.gpu_index(local_rank, local_world, visible) == expected
+        assert du.gpu_index(local_rank, local_world, visible, node_gpus) == expected
+
+
+def test_slurm_gpus_on_node_and_a_launcher_without_local_world_size():
+    slurm = du.detect_launch({**_SRUN_8, "SLURM_GPUS_ON_NODE": "8"})
+    assert (slurm.local_world_size, slurm.node_gpus) == (8, 8)
+    assert du.detect_launch(_SRUN_8).node_gpus is None
+    # One process per node or container (RANK and WORLD_SIZE only): 8 GPUs
+    # seen, world of 16, and nothing to refuse.
+    alone = du.detect_launch({"RANK": "3", "WORLD_SIZE": "16"})
+    assert alone.local_world_size == 1
+    assert du.gpu_index(alone.local_rank, alone.local_world_size, 8) == 0
 
 
 @pytest.mark.parametrize(
@@ -253,16 +287,8 @@ def _fake_gpus(monkeypatch, count: int, set_device_calls: list | None = None):
 def test_one_visible_gpu_per_task_is_cuda_0(monkeypatch):
     calls: list = []
     _fake_gpus(monkeypatch, 1, calls)
-    assert du.select_device("auto", 5, 8) == torch.device("cuda", 0)
+    assert du.select_device("auto", 5, 8, 8) == torch.device("cuda", 0)
     assert calls == [torch.device("cuda", 0)]
-
-
-# Rank 0 of 8 on one node: the rank that reports.
-_TORCHRUN_8 = {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0",
-               "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
-_SRUN_8 = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0",
-           "SLURM_NODELIST": "localhost", "SLURM_TASKS_PER_NODE": "8",
-           "SLURM_NODEID": "0", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "1"}  # fmt: skip
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "srun", "num-procs"])
@@ -364,6 +390,34 @@ def test_side_group_that_cannot_form_names_gloo_socket_ifname(tmp_path):
     message = results[0]["error"]
     assert "GLOO_SOCKET_IFNAME" in message and "DIST.INIT_TIMEOUT=10s" in message
     assert "nosuchif0" in message  # gloo's own reason
+
+
+def _setup_with_a_failing_side_group(out_dir: str) -> None:
+    """setup_distributed (under spawn's torchrun-like environment) whose side
+    group cannot form; writes what this rank saw."""
+    dist.get_backend_config = lambda group=None: "cuda:nccl"  # as over NCCL
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:446] Connect timeout")
+
+    dist.new_group = refuse
+    try:
+        du.setup_distributed("", "cpu", 10)
+        seen = {"error": None}
+    except du.DistributedSetupError as error:
+        seen = {"error": str(error)}
+    seen["group_left"] = not dist.is_initialized()
+    rank = os.environ["RANK"]
+    torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_setup_that_fails_on_the_side_group_leaves_the_process_group(tmp_path):
+    spawn(2, _setup_with_a_failing_side_group, (str(tmp_path),))
+    for rank in (0, 1):
+        seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert "Connect timeout" in seen["error"]
+        assert "GLOO_SOCKET_IFNAME" in seen["error"]
+        assert seen["group_left"]
 
 
 # --- Whole runs on real GPUs (skipped without them) --------------------------

@@ -13,7 +13,8 @@ from torch import nn
 from distribuuuu import trainer
 from distribuuuu.config import load_cfg
 from distribuuuu.logger import setup_logging
-from distribuuuu.meters import DataBoundWatch, PeakMemory, memory_devices
+from distribuuuu.meters import DataBoundWatch, PeakMemory
+from distribuuuu.parallel import model_devices
 from distribuuuu.trainer import _format_scaling, _throughput, _watch_data_time
 
 
@@ -83,9 +84,9 @@ def test_peak_memory_is_reset_and_read_on_every_data_parallel_gpu(monkeypatch):
     cuda = _FakeCudaMemory(monkeypatch)
     model = nn.DataParallel(nn.Linear(2, 2))
     model.device_ids = [0, 1]  # as on a machine with two GPUs
-    devices = memory_devices(model, torch.device("cuda", 0))
+    devices = model_devices(model, torch.device("cuda", 0))
     assert devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
-    assert memory_devices(nn.Linear(2, 2), torch.device("cuda", 1)) == devices[1:]
+    assert model_devices(nn.Linear(2, 2), torch.device("cuda", 1)) == devices[1:]
     memory = PeakMemory(devices)
     cuda.use(300)
     memory.reset()
@@ -104,7 +105,8 @@ def test_each_epoch_logs_the_peaks_of_its_training_and_evaluation(
     and twice that on the second, each evaluation 10 MiB and 20 MiB."""
     cuda = _FakeCudaMemory(monkeypatch)
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
-    monkeypatch.setattr(trainer, "memory_devices", lambda model, device: gpus)
+    # The peaks of the two GPUs, whatever devices the run is on.
+    monkeypatch.setattr(trainer, "PeakMemory", lambda devices: PeakMemory(gpus))
     train_epoch, evaluate = trainer.train_epoch, trainer.evaluate
     epochs = []
 

@@ -224,7 +224,8 @@ def check_launch(cfg, num_procs: int = 1) -> None:
         on_gpus = cfg.DEVICE != "cpu" and torch.cuda.is_available()
         if on_gpus and cfg.DIST.MODE == "ddp":
             local_world = num_procs if num_procs > 1 else info.local_world_size
-            gpu_index(info.local_rank, local_world, torch.cuda.device_count())
+            visible = torch.cuda.device_count()
+            gpu_index(info.local_rank, local_world, visible, info.node_gpus)
     except LaunchError as error:
         raise ConfigError(str(error)) from error
 
