@@ -18,6 +18,7 @@ Every helper below works unchanged without a process group.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import re
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 logger = logging.getLogger(__name__)
 
@@ -494,6 +496,27 @@ def cleanup_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _CONTROL_GROUP = None
+
+
+def release_groups() -> None:
+    """Let the process groups of a finished run be destroyed now, while Python
+    still runs their threads' last clean-up (after :func:`cleanup_distributed`,
+    once the run's objects are unreachable).
+
+    ``destroy_process_group`` forgets the groups, but objects may still hold
+    them: an FSDP model until the garbage collector frees it, and the device
+    meshes that DTensor's caches keep (their ``_pg_registry``, torch 2.14).
+    A gloo group alive at interpreter exit can have a worker thread release
+    the Python tensor of its last collective while the interpreter is torn
+    down, which aborts the finished process ("terminate called without an
+    active exception"; pytorch/pytorch#179291 describes it).
+    """
+    gc.collect()  # the model, in reference cycles through its hooks
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
 
 
 def is_distributed() -> bool:

@@ -121,13 +121,6 @@ def run_context(
             else "",
         )
         yield info, device
-        # The run's last collective is this barrier, which holds no tensor.
-        # A group can outlive destroy_process_group (under FSDP, DTensor's
-        # caches keep its device mesh), and with it gloo's worker threads: one
-        # that released an all-reduce's Python tensor while the interpreter
-        # was exiting aborted the process ("terminate called without an active
-        # exception"), although the run had finished.
-        du.barrier()
     finally:
         du.cleanup_distributed()
 

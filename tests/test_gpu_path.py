@@ -380,11 +380,13 @@ def _side_group(rank: int, world: int, interface: str) -> dict:
     return {"formed": formed, "max": du.all_reduce_max_int(rank + 10)}
 
 
+@pytest.mark.slow
 def test_side_group_forms_at_start_up(tmp_path):
     results = run_on_ranks(2, _side_group, ("",), str(tmp_path))
     assert results == [{"formed": True, "max": 11}] * 2
 
 
+@pytest.mark.slow
 def test_side_group_that_cannot_form_names_gloo_socket_ifname(tmp_path):
     results = run_on_ranks(1, _side_group, ("nosuchif0",), str(tmp_path))
     message = results[0]["error"]
@@ -411,6 +413,7 @@ def _setup_with_a_failing_side_group(out_dir: str) -> None:
     torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_setup_that_fails_on_the_side_group_leaves_the_process_group(tmp_path):
     spawn(2, _setup_with_a_failing_side_group, (str(tmp_path),))
     for rank in (0, 1):
@@ -432,6 +435,7 @@ def _gpu_run(out: str, extra: str, processes: int = 1):
     return train_net_command(*args)
 
 
+@pytest.mark.slow
 @needs_cuda
 @pytest.mark.parametrize(
     "extra",
@@ -447,6 +451,7 @@ def test_one_gpu_trains(tmp_path, extra):
     assert val["samples"] == 101
 
 
+@pytest.mark.slow
 @needs_cuda
 def test_deterministic_gpu_runs_repeat_bitwise(tmp_path):
     weights = []
@@ -458,6 +463,7 @@ def test_deterministic_gpu_runs_repeat_bitwise(tmp_path):
         assert torch.equal(value, weights[1][key]), key
 
 
+@pytest.mark.slow
 @needs_two_gpus
 @pytest.mark.parametrize(
     "extra",
@@ -475,7 +481,54 @@ def test_two_gpus_train_with_nccl(tmp_path, extra):
     assert val["samples"] == 101 and len(val["peak_mem_mb"]) == 2
 
 
+@pytest.mark.slow
 @needs_two_gpus
 def test_dp_bf16_run_on_two_gpus(tmp_path):
     out = str(tmp_path / "out")
     assert_ok(_gpu_run(out, "DIST.MODE dp TRAIN.MIXED_PRECISION bf16"))
+
+
+# --- Process groups of a finished run are released before exit --------------
+
+
+def _gloo_threads() -> list[str]:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm", encoding="utf-8") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue
+    return sorted(name for name in names if "gloo" in name)
+
+
+def _fsdp_step_then_release(out_dir: str, release: bool) -> None:
+    """An FSDP2 training step on gloo ranks (under spawn), then what a finished
+    run does: leave the group, drop the model, release the groups; writes the
+    gloo threads left."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    info, _ = du.setup_distributed("", "cpu", 30)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (info.world_size,)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    du.all_reduce_max_int(info.rank)  # a last all-reduce of a Python tensor
+    du.cleanup_distributed()
+    del model, optimizer
+    if release:
+        du.release_groups()
+    torch.save(_gloo_threads(), os.path.join(out_dir, f"rank{info.rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("release", [False, True])
+def test_a_finished_fsdp_run_leaves_no_gloo_threads_behind(tmp_path, release):
+    """Without the release, DTensor's caches keep the device mesh and its
+    group, whose gloo threads then live on into interpreter exit."""
+    spawn(2, _fsdp_step_then_release, (str(tmp_path), release))
+    for rank in (0, 1):
+        threads = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert bool(threads) is not release, threads

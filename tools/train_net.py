@@ -135,18 +135,21 @@ def run(cfg, eval_only: bool, dry_run: bool = False) -> None:
     """:func:`_run_rank`, writing a failure's traceback to this rank's log file.
 
     A collective that timed out or lost a peer is told as a PeerLostError that
-    names DIST.INIT_TIMEOUT and the ranks that did not answer.
+    names DIST.INIT_TIMEOUT and the ranks that did not answer.  A run that
+    finished releases its process groups before the interpreter exits (not
+    one that failed: a peer may still hang in a collective).
     """
+    from distribuuuu.distributed import peer_failure, release_groups
+
     try:
         _run_rank(cfg, eval_only, dry_run)
     except Exception as error:
-        from distribuuuu.distributed import peer_failure
-
         lost = peer_failure(error)
         _log_traceback(lost or error)
         if lost is not None:
             raise lost from error
         raise
+    release_groups()
 
 
 def _log_traceback(error: Exception) -> None:
