@@ -9,6 +9,7 @@ import importlib.util
 import json
 import sys
 
+import pytest
 from conftest import REPO, assert_ok, run
 
 # Loaded from this checkout's file: distribuuuu.tools maps to the installed one.
@@ -21,6 +22,7 @@ _SPEC.loader.exec_module(benchmark)
 SIDE_KEYS = {"median", "min", "max", "runs"}
 
 
+@pytest.mark.slow
 def test_short_benchmark_writes_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, f"{REPO}/tools/benchmark.py", "--short", "--threads", "1"]

@@ -44,6 +44,7 @@ def _launch(nproc: int, *args: str):
     return train_net(*args) if nproc == 1 else torchrun(nproc, *args)
 
 
+@pytest.mark.slow
 def test_accumulation_equals_the_large_batch(tmp_path):
     """On 2 processes, where DDP must not all-reduce the accumulating steps."""
     nproc = 2
@@ -77,6 +78,7 @@ def one_epoch_run(tmp_path_factory) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_evaluation_is_exact_for_1_2_3_processes(tmp_path, one_epoch_run):
     weights = os.path.join(one_epoch_run, "best.pth")
     records = []
@@ -107,6 +109,7 @@ def test_evaluation_is_exact_for_1_2_3_processes(tmp_path, one_epoch_run):
         assert record["loss"] == pytest.approx(records[0]["loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_same_seed_same_bits_other_seed_other_bits(tmp_path):
     args = "MODEL.ARCH resnet8 MODEL.DUMMY_INPUT True DATA.SYNTHETIC_SIZE [512,101] "
     args += "TRAIN.IM_SIZE 28 TEST.IM_SIZE 28 OPTIM.MAX_EPOCH 1 TRAIN.WORKERS 2"
@@ -123,6 +126,7 @@ def test_same_seed_same_bits_other_seed_other_bits(tmp_path):
     assert "(picked at random)" in stdout["random"]
 
 
+@pytest.mark.slow
 def test_mixed_precision_trains_and_resumes_on_cpu(tmp_path):
     """An epoch in bf16, then one asking for fp16, which CPUs run in bf16."""
     args = [*NO_BN, "OUT_DIR", str(tmp_path)]
@@ -139,6 +143,7 @@ def test_mixed_precision_trains_and_resumes_on_cpu(tmp_path):
     assert "scaler" in state
 
 
+@pytest.mark.slow
 def test_gradient_clipping_changes_the_update(tmp_path, one_epoch_run):
     clipped = str(tmp_path / "clipped")
     args = [*NO_BN, "OPTIM.MAX_EPOCH", "1", "OPTIM.CLIP_GRAD_NORM", "0.01"]

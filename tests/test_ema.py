@@ -79,6 +79,7 @@ def test_a_step_the_grad_scaler_skips_leaves_the_ema_alone():
     torch.testing.assert_close(ema.tensors()["weight"], (before + model.weight) / 2)
 
 
+@pytest.mark.slow
 def test_run_evaluates_saves_and_resumes_the_ema(tmp_path):
     reference, resumed = str(tmp_path / "reference"), str(tmp_path / "resumed")
     args = [*RUN, "TRAIN.PRECISE_BN", "2"]
@@ -120,6 +121,7 @@ def test_run_evaluates_saves_and_resumes_the_ema(tmp_path):
     assert again["best_ema_top1"] == final["best_ema_top1"]
 
 
+@pytest.mark.slow
 def test_fsdp_run_on_two_ranks_resumes_on_one_process(tmp_path):
     """LeNet-5 (no BatchNorm) trains the same on 2 x 6 and 1 x 12 images."""
     two, one = str(tmp_path / "two"), str(tmp_path / "one")
@@ -202,6 +204,7 @@ def on_two_ranks(tmp_path_factory) -> list[dict]:
     return run_on_ranks(2, _fsdp_ema_and_precise_bn, (str(tmp / "dcp"),), tmp)
 
 
+@pytest.mark.slow
 def test_ema_of_fsdp_shards_matches_the_average_by_hand(on_two_ranks):
     result = on_two_ranks[0]["ema"]
     expected = result["expected"]

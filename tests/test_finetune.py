@@ -35,6 +35,7 @@ def ten_class_checkpoint(tmp_path_factory) -> tuple[str, dict]:
     return path, state["model"]
 
 
+@pytest.mark.slow
 def test_finetune_starts_a_new_head_from_a_ten_class_checkpoint(
     ten_class_checkpoint, tmp_path
 ):

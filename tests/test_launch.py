@@ -55,6 +55,7 @@ def _wait_for(path: str, text: str, proc: subprocess.Popen, seconds: float) -> N
     raise AssertionError(f"{text!r} did not appear in {path}")
 
 
+@pytest.mark.slow
 def test_num_procs_spawns_a_real_process_group(tmp_path):
     result = train_net("--num-procs", "2", *TINY, "OUT_DIR", str(tmp_path))
     assert_ok(result)
@@ -63,6 +64,7 @@ def test_num_procs_spawns_a_real_process_group(tmp_path):
     assert "rank 0 of 2" in read_text(str(tmp_path), "log.txt")
 
 
+@pytest.mark.slow
 def test_num_procs_worker_failure_exits_nonzero_without_orphans(tmp_path):
     proc = start(
         [
@@ -93,6 +95,7 @@ def test_num_procs_worker_failure_exits_nonzero_without_orphans(tmp_path):
     assert _session_processes(proc.pid) == []
 
 
+@pytest.mark.slow
 def test_killed_rank_makes_its_peer_exit_within_the_timeout(tmp_path):
     port = str(free_port())
     procs = []
@@ -135,6 +138,7 @@ def _join_alone(rank: int, port: int, out_dir) -> subprocess.CompletedProcess:
     return run(cmd, env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_unreachable_master_is_a_clear_error_within_the_timeout(tmp_path):
     port = free_port()  # nobody listens there
     began = time.time()
@@ -146,6 +150,7 @@ def test_unreachable_master_is_a_clear_error_within_the_timeout(tmp_path):
     assert time.time() - began < 5 + 40  # the timeout plus interpreter start-up
 
 
+@pytest.mark.slow
 def test_taken_port_is_a_clear_error(tmp_path):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
@@ -157,6 +162,7 @@ def test_taken_port_is_a_clear_error(tmp_path):
     assert line.startswith("error: rank 0 of 2 could not join") and str(port) in line
 
 
+@pytest.mark.slow
 def test_two_node_torchrun_on_one_machine(tmp_path):
     port = str(free_port())
     procs = []
@@ -194,6 +200,7 @@ def test_two_node_torchrun_on_one_machine(tmp_path):
     assert val_line("log.txt") == val_line("log_rank1.txt")
 
 
+@pytest.mark.slow
 def test_data_parallel_mode_falls_back_to_one_device(tmp_path):
     result = train_net(*TINY, "DIST.MODE", "dp", "OUT_DIR", str(tmp_path))
     assert_ok(result)

@@ -92,6 +92,7 @@ def trained_on_two_ranks(tmp_path_factory) -> dict:
     return run_on_ranks(2, _train_every_case, (), out)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, strategy, act_ckpt", CASES)
 def test_sharded_strategies_reach_the_parameters_of_ddp(
     trained_on_two_ranks, arch, strategy, act_ckpt
@@ -126,6 +127,7 @@ def _resume(out: str, ranks: int, epochs: int, *args: str) -> None:
     assert "resumed from" in result.stdout
 
 
+@pytest.mark.slow
 def test_zero1_checkpoints_resume_on_2_and_on_1_process(tmp_path):
     out = str(tmp_path)
     first = torchrun(2, *SMALL, "DIST.STRATEGY", "zero1", "MODEL.ACT_CKPT", "True",
@@ -145,6 +147,7 @@ def test_zero1_checkpoints_resume_on_2_and_on_1_process(tmp_path):
     assert all(r["train_samples"] == 96 for r in val)
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoints_resume_on_2_reshard_on_3_and_resume_on_1(tmp_path):
     """Sharded (DCP) checkpoints of FSDP with host offload, activation
     checkpointing and bf16: saved on 2 ranks, resumed on 2, then on 3, then on
@@ -177,6 +180,7 @@ def test_fsdp_checkpoints_resume_on_2_reshard_on_3_and_resume_on_1(tmp_path):
     assert all(whole.weights[k].shape == v.shape for k, v in expected.items())
 
 
+@pytest.mark.slow
 def test_sharded_strategies_report_less_peak_memory_than_ddp(tmp_path):
     """AlexNet (61 M parameters): its SGD momentum is 244 MB on every DDP rank
     and half of that with ZeRO-1 on 2 ranks; FSDP also halves the parameters

@@ -168,6 +168,7 @@ def test_eval_only_writes_per_class_results(piped_run):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_dry_run_checks_every_rank_and_writes_nothing(tmp_path):
     out_dir = tmp_path / "never"
     result = train_net("--dry-run", "--num-procs", "2", *SMALL, "OUT_DIR", str(out_dir))

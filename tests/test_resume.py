@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 
+import pytest
 import torch
 from conftest import (
     FAST,
@@ -115,10 +116,12 @@ def _sigkill_then_rerun_matches_uninterrupted(tmp_path, nproc: int, tear: bool):
     )
 
 
+@pytest.mark.slow
 def test_sigkill_and_a_torn_checkpoint_then_rerun_is_bitwise_identical(tmp_path):
     _sigkill_then_rerun_matches_uninterrupted(tmp_path, 1, tear=True)
 
 
+@pytest.mark.slow
 def test_sigkill_two_ranks_then_rerun_is_bitwise_identical(tmp_path):
     _sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, tear=False)
 
@@ -138,6 +141,7 @@ def _worker_pid(torchrun_pid: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} worker found under {torchrun_pid}")
 
 
+@pytest.mark.slow
 def test_sigusr1_to_one_rank_stops_all_at_a_step_with_a_checkpoint(tmp_path):
     out = str(tmp_path)
     args = [*FAST, "OPTIM.MAX_EPOCH", "2", "OUT_DIR", out]
@@ -169,6 +173,7 @@ def test_sigusr1_to_one_rank_stops_all_at_a_step_with_a_checkpoint(tmp_path):
     assert val[0]["train_samples"] == read_metrics(out, "val")[1]["train_samples"]
 
 
+@pytest.mark.slow
 def test_resume_on_2_then_1_then_3_processes(tmp_path):
     out = str(tmp_path)
     # 1,920 images, global batch 24: 12 x 2, then 24 x 1, then 8 x 3 processes.
@@ -194,6 +199,7 @@ def test_resume_on_2_then_1_then_3_processes(tmp_path):
     assert geometry == (3, 24, 8)
 
 
+@pytest.mark.slow
 def test_resume_keeping_the_per_process_batch_scales_the_lr(tmp_path):
     out = str(tmp_path)
     args = [

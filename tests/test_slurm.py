@@ -42,6 +42,7 @@ def _sbatch(option: str, log_dir, *args: str) -> list[str]:
             "tools/slurm_train.sh", *args]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_srun_three_tasks_evaluate_like_one_process(tmp_path):
     """srun -O: 3 tasks on the 2-CPU node; the weights need not be trained."""
     torch.manual_seed(0)
@@ -70,6 +71,7 @@ def test_srun_three_tasks_evaluate_like_one_process(tmp_path):
     assert three["loss"] == pytest.approx(one["loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_sbatch_job_signalled_with_usr1_requeues_itself_and_finishes(tmp_path):
     """The ready script under sbatch: 2 tasks train, SIGUSR1 (what Slurm sends
     before a time limit or preemption) makes them checkpoint and requeue the

@@ -44,6 +44,7 @@ def _syncbn_rank(rank: int, world: int) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_syncbn_matches_batchnorm_over_the_global_batch(tmp_path, world):
     results = run_on_ranks(world, _syncbn_rank, (), tmp_path)
@@ -137,6 +138,7 @@ def _ddp_rank(rank: int, world: int, per_step) -> dict:
     return _train(model, _global_batches(per_step), rank)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world, per_step",
     [

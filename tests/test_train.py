@@ -35,6 +35,7 @@ def reference_run(tmp_path_factory) -> str:
     return out_dir
 
 
+@pytest.mark.slow
 def test_single_process_run_writes_every_output(reference_run):
     out = reference_run
     cfg = yaml.safe_load(read_text(out, "config.yaml"))
@@ -62,6 +63,7 @@ def test_single_process_run_writes_every_output(reference_run):
     assert best["top1"] == max(r["top1"] for r in val)
 
 
+@pytest.mark.slow
 def test_eval_only_prints_top1_of_the_best_weights(reference_run):
     result = train_net("--eval-only", *FAST, "OUT_DIR", reference_run)
     assert_ok(result)
@@ -70,6 +72,7 @@ def test_eval_only_prints_top1_of_the_best_weights(reference_run):
     assert "samples 1000" in result.stdout
 
 
+@pytest.mark.slow
 def test_torchrun_counts_every_validation_sample_once(tmp_path):
     """3 ranks (2 ranks: test_deprecated_launcher)."""
     nproc, out = 3, str(tmp_path)
@@ -86,6 +89,7 @@ def test_torchrun_counts_every_validation_sample_once(tmp_path):
     assert "/rank)" in log  # per-process img/s beside the global figure
 
 
+@pytest.mark.slow
 def test_deprecated_launcher(tmp_path):
     cmd = [
         sys.executable,
@@ -103,6 +107,7 @@ def test_deprecated_launcher(tmp_path):
     assert val["world_size"] == 2 and val["samples"] == TINY_VAL_SIZE
 
 
+@pytest.mark.slow
 def test_original_override_line_with_syncbn_on_cpu(tmp_path):
     result = torchrun(
         2,
