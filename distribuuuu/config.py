@@ -22,6 +22,7 @@ import re
 import sys
 import tempfile
 import textwrap
+import warnings
 from typing import Any
 
 import yaml
@@ -285,16 +286,18 @@ _C.DIST = CfgNode()
 _C.DIST.BACKEND = ""
 # Seconds to wait for peers at start-up and in collectives before giving up
 _C.DIST.INIT_TIMEOUT = 600
-# Process layout: ddp (one process per device, started by torchrun, srun or
-# --num-procs) | dp (one process driving all visible GPUs with DataParallel)
+# Deprecated: DIST.MODE dp means DIST.STRATEGY dp (it warns once and is rewritten
+# so); ddp means nothing beyond DIST.STRATEGY. Kept so that old configs load
 _C.DIST.MODE = "ddp"
 # On SIGTERM/SIGUSR1 under Slurm, after saving a checkpoint, rank 0 runs
 # "scontrol requeue $SLURM_JOB_ID"; the requeued job resumes from it
 _C.DIST.REQUEUE = False
-# How model and optimizer state are spread over the processes: ddp (every rank
-# holds everything) | zero1 (DDP, optimizer state sharded across ranks with
-# ZeroRedundancyOptimizer) | fsdp (parameters, gradients and optimizer state
-# sharded with FSDP2 fully_shard, per block). Checkpoints are gathered on rank 0
+# How the model is spread over devices: dp (one process driving all visible GPUs
+# with DataParallel) | ddp (one process per device, started by torchrun, srun or
+# --num-procs; every rank holds everything) | zero1 (DDP, optimizer state sharded
+# across ranks with ZeroRedundancyOptimizer) | fsdp (parameters, gradients and
+# optimizer state sharded with FSDP2 fully_shard, per block; checkpoints are
+# saved sharded, one piece per rank)
 _C.DIST.STRATEGY = "ddp"
 # FSDP only: keep the sharded parameters and gradients in host memory (the
 # optimizer step runs on the CPU)
@@ -346,7 +349,7 @@ OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("", "nccl", "gloo")
 DIST_MODES = ("ddp", "dp")
-STRATEGIES = ("ddp", "zero1", "fsdp")
+STRATEGIES = ("dp", "ddp", "zero1", "fsdp")
 PRECISIONS = ("none", "bf16", "fp16")
 AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
 # Classes of the data sets with a fixed label set.
@@ -756,6 +759,25 @@ def _check_data_paths(cfg: CfgNode, name: str) -> None:
                 )
 
 
+def _translate_dist_mode(cfg: CfgNode) -> None:
+    """Rewrite the deprecated ``DIST.MODE dp`` as ``DIST.STRATEGY dp``, warning once."""
+    if cfg.DIST.MODE != "dp":
+        return
+    _check(
+        cfg.DIST.STRATEGY in ("ddp", "dp"),
+        "DIST.STRATEGY",
+        cfg.DIST.STRATEGY,
+        "cannot be combined with the deprecated DIST.MODE dp (DataParallel in one "
+        "process); give DIST.STRATEGY alone",
+    )
+    warnings.warn(
+        "DIST.MODE dp is deprecated: use DIST.STRATEGY dp (same meaning)",
+        FutureWarning,
+        stacklevel=3,
+    )
+    cfg.DIST.MODE, cfg.DIST.STRATEGY = "ddp", "dp"
+
+
 def validate_cfg(cfg: CfgNode) -> None:
     """Check values and cross-key invariants; resolve DATA.NAME in place."""
     from distribuuuu.models import is_model, list_models  # imported lazily
@@ -790,12 +812,7 @@ def validate_cfg(cfg: CfgNode) -> None:
             True,
             "needs OPTIM.MOMENTUM > 0 and OPTIM.DAMPENING 0",
         )
-    _check(
-        cfg.DIST.STRATEGY == "ddp" or cfg.DIST.MODE == "ddp",
-        "DIST.STRATEGY",
-        cfg.DIST.STRATEGY,
-        "shards over processes, so it needs DIST.MODE ddp",
-    )
+    _translate_dist_mode(cfg)
     if cfg.DIST.STRATEGY == "fsdp":
         _check(
             not cfg.MODEL.SYNCBN,

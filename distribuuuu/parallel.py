@@ -134,14 +134,14 @@ def is_sharded(model: nn.Module) -> bool:
 def _wrap_data_parallel(model: nn.Module, device: torch.device) -> nn.Module:
     if du.get_world_size() > 1:
         raise ValueError(
-            "DIST.MODE dp runs in one process; with several processes use "
-            "DIST.MODE ddp (the default)"
+            "DIST.STRATEGY dp runs in one process; with several processes use "
+            "DIST.STRATEGY ddp (the default)"
         )
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     model = model.to(device)
     if gpus < 2:
         logger.warning(
-            "DIST.MODE dp: DataParallel needs 2 or more CUDA devices, found %d; "
+            "DIST.STRATEGY dp: DataParallel needs 2 or more CUDA devices, found %d; "
             "falling back to one device (%s)",
             gpus,
             device,
@@ -190,7 +190,7 @@ def replicas_under_autocast(replicas: list, device_type: str) -> list:
 
 def model_devices(model: nn.Module, device: torch.device) -> list[torch.device]:
     """The devices this process's ``model`` runs on: every GPU of a
-    DataParallel (DIST.MODE dp), else this process's ``device``."""
+    DataParallel (DIST.STRATEGY dp), else this process's ``device``."""
     if isinstance(model, nn.DataParallel) and model.device_ids:
         return [torch.device("cuda", index) for index in model.device_ids]
     return [device]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import yaml
@@ -233,3 +234,17 @@ def test_print_config_prints_the_merged_yaml_and_writes_nothing(tmp_path, capsys
     assert f"OUT_DIR: {out_dir}  # default: ./exp\n" in printed
     assert "  MAX_EPOCH: 10\n" in printed  # an unchanged key is not marked
     assert not out_dir.exists()
+
+
+def test_deprecated_dist_mode_dp_becomes_strategy_dp_with_one_warning():
+    with pytest.warns(FutureWarning, match="DIST.STRATEGY dp") as caught:
+        cfg = load_cfg(None, ["DIST.MODE", "dp"])
+    assert len(caught) == 1
+    assert (cfg.DIST.STRATEGY, cfg.DIST.MODE) == ("dp", "ddp")
+    # The dump says it the new way: loading it again does not warn.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = load_cfg(None, ["DIST.STRATEGY", cfg.DIST.STRATEGY])
+    assert again.DIST.STRATEGY == "dp"
+    with pytest.raises(ConfigError, match="DIST.MODE dp"):
+        load_cfg(None, ["DIST.MODE", "dp", "DIST.STRATEGY", "fsdp"])

@@ -225,7 +225,7 @@ def check_launch(cfg, num_procs: int = 1) -> None:
     try:
         info = detect_launch()
         on_gpus = cfg.DEVICE != "cpu" and torch.cuda.is_available()
-        if on_gpus and cfg.DIST.MODE == "ddp":
+        if on_gpus and cfg.DIST.STRATEGY != "dp":
             local_world = num_procs if num_procs > 1 else info.local_world_size
             visible = torch.cuda.device_count()
             gpu_index(info.local_rank, local_world, visible, info.node_gpus)
