@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distribuuuu import checkpoint as cp
-from distribuuuu.parallel import unwrap_model
+from distribuuuu.strategies.base import unwrap_model
 
 logger = logging.getLogger(__name__)
 

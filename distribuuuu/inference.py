@@ -98,7 +98,7 @@ def read_checkpoint(path: str) -> Checkpoint:
         kind = checkpoint_kind(state)
     except CheckpointError as error:
         raise CheckpointError(f"{path}: {error}") from None
-    return Checkpoint(path, kind, state, cp.model_state_dict(state))
+    return Checkpoint(path, kind, state, cp.weights_in(state))
 
 
 def saved_cfg(ckpt: Checkpoint) -> CfgNode | None:

@@ -6,7 +6,7 @@
 
 Four measurements, printed as a table and written as JSON (``--out``):
 
-* train step: img/s of distribuuuu's training loop (``trainer.train_epoch``:
+* train step: img/s of distribuuuu's training loop (``loop.train_epoch``:
   learning-rate schedule, loss, backward, optimizer, metrics, logging) beside
   a minimal loop (forward, loss, zero_grad, backward, step, ``loss.item()``
   every step) on the same model, batches and threads;
@@ -16,7 +16,7 @@ Four measurements, printed as a table and written as JSON (``--out``):
   ``torchvision.datasets.ImageFolder`` with the classic PIL transforms, at
   the same worker count and batch, on a folder of ImageNet-sized JPEGs that
   the tool writes first;
-* eval: img/s of ``trainer.evaluate`` beside a minimal no-grad loop;
+* eval: img/s of ``evaluation.evaluate`` beside a minimal no-grad loop;
 * start-up: seconds of ``train_net.py --dry-run`` from launch to exit (build,
   one training step, one evaluation batch).
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -53,9 +54,11 @@ from distribuuuu.config import load_cfg
 from distribuuuu.data import build_dataset, build_normalizer, build_train_loader
 from distribuuuu.data.datasets import IMAGENET_MEAN, IMAGENET_STD
 from distribuuuu.distributed import LaunchInfo
+from distribuuuu.evaluation import EvalSpec, evaluate
 from distribuuuu.logger import PACKAGE_LOGGER, MetricsWriter, setup_logging
+from distribuuuu.loop import train_epoch
 from distribuuuu.models import build_model
-from distribuuuu.trainer import _build_run, evaluate, train_epoch
+from distribuuuu.trainer import build_train_state
 
 TRAIN_NET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_net.py")
 # ImageNet's median photo is about 500 x 375 (4:3 landscape); the JPEGs of the
@@ -280,8 +283,8 @@ def quiet_run(cfg) -> Iterator:
     device = torch.device(cfg.DEVICE)
     writer = MetricsWriter(cfg.OUT_DIR, enabled=False)
     try:
-        run, _, _ = _build_run(cfg, info, device, writer)
-        yield run
+        state, _, _ = build_train_state(cfg, info, device, writer)
+        yield state
     finally:
         setup_logging(None, 1)  # closes the log file; no handler is left
 
@@ -297,24 +300,24 @@ def bench_train_and_eval(args: argparse.Namespace, cfg, what: set[str]) -> dict:
     normalize = build_normalizer(cfg, torch.device("cpu"))
     floats = [(normalize(images), targets) for images, targets in batches]
     float_loader = InMemoryLoader(floats, args.steps)
-    with quiet_run(cfg) as run:
-        device = run.device
+    with quiet_run(cfg) as state:
+        device = state.device
         plain = build_model(cfg.MODEL.ARCH, classes).to(device)
         if cfg.MODEL.CHANNELS_LAST:
             plain = plain.to(memory_format=torch.channels_last)
-        amp_dtype = run.amp_dtype
+        amp_dtype = state.amp_dtype
         if args.compile:
-            run.model, plain = torch.compile(run.model), torch.compile(plain)
+            state.model, plain = torch.compile(state.model), torch.compile(plain)
+        spec = EvalSpec.of(cfg, device, state.normalize, amp_dtype)
+        spec = dataclasses.replace(spec, print_freq=10**9)
 
         def ours_train() -> int:
-            run.progress.consumed = 0
-            train_epoch(run, loader, cfg)
+            state.progress.consumed = 0
+            train_epoch(state, loader, cfg)
             return args.steps * batch
 
         def ours_eval() -> int:
-            topk = min(cfg.TRAIN.TOPK, classes)
-            evaluate(run.model, loader, device, run.normalize, topk, classes,
-                     10**9, amp_dtype)  # fmt: skip
+            evaluate(state.strategy.eval_model(state.model), loader, spec)
             return args.steps * batch
 
         if "train" in what:

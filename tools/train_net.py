@@ -122,7 +122,9 @@ def _run_rank(cfg, eval_only: bool, dry_run: bool = False) -> None:
                 signal.signal(signum, signal.SIG_IGN)
             raise SystemExit(128 + stats["stopped_by"])
         return
-    stats = trainer.test_model(cfg)
+    from distribuuuu.evaluation import evaluate_checkpoint
+
+    stats = evaluate_checkpoint(cfg)
     if _is_rank_zero():
         k = stats["topk_k"]
         print(

@@ -1,0 +1,192 @@
+"""Checkpoint files: names, atomic writes, the ``last`` pointer, keep-N pruning,
+and weights-only loading."""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import re
+import shutil
+from typing import Any
+
+import torch
+
+CHECKPOINT_DIR = "checkpoints"
+LAST_POINTER = "last"
+BEST_WEIGHTS = "best.pth"
+BEST_EMA_WEIGHTS = "best_ema.pth"  # same layout, of the weights' moving average
+SHARDED_SUFFIX = ".dcp"
+CHECKPOINT_FILE = re.compile(r"^ckpt_ep_(\d+)(?:_it_(\d+))?\.pth$")
+
+
+def checkpoint_name(epoch: int, step: int = 0) -> str:
+    """Name of the checkpoint after ``epoch`` whole epochs and ``step`` more steps."""
+    if step:
+        return f"ckpt_ep_{epoch:04d}_it_{step:04d}.pth"
+    return f"ckpt_ep_{epoch:04d}.pth"
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DiskFullError(RuntimeError):
+    """No space left while writing a file; the message names it."""
+
+
+def _disk_full(error: BaseException, directory: str) -> bool:
+    """Whether ``error`` came from a full disk.  torch.save reports it as a
+    RuntimeError of its zip writer ("unexpected pos"), so the free space of
+    ``directory`` decides when the error does not say."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    try:
+        usage = os.statvfs(directory)
+    except OSError:
+        return False
+    return usage.f_bavail * usage.f_frsize < (1 << 20)
+
+
+def atomic_write(path: str, write) -> None:
+    """Call ``write(file)`` on a temporary file, fsync it and rename it to ``path``.
+
+    On any failure the temporary file is removed and ``path`` keeps what it
+    held; a full disk raises DiskFullError naming ``path``.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:
+        if _disk_full(error, directory):
+            raise DiskFullError(
+                f"no space left on device while writing {path}"
+            ) from error
+        raise
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    fsync_dir(directory)
+
+
+# Temporary names of atomic_write and save_sharded that a killed process
+# leaves behind.
+_STALE = re.compile(
+    r"^\.(ckpt_ep_\w+\.pth|last|best(_ema)?\.pth|.+\.ya?ml)\.tmp\d+$"
+    r"|^ckpt_ep_\w+\.dcp\.tmp$"
+)
+
+
+def remove_stale_files(out_dir: str) -> list[str]:
+    """Remove half-written files of a killed save (call on rank 0 before a run
+    writes anything); their paths."""
+    removed = []
+    for directory in (out_dir, os.path.join(out_dir, CHECKPOINT_DIR)):
+        if not os.path.isdir(directory):
+            continue
+        for name in sorted(os.listdir(directory)):
+            path = os.path.join(directory, name)
+            if not _STALE.match(name) or os.path.islink(path):
+                continue
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+            removed.append(path)
+    return removed
+
+
+def save_checkpoint(
+    out_dir: str, epoch: int, state: dict, keep: int = 0, step: int = 0
+) -> str:
+    """Write ``state`` as a checkpoint, move the ``last`` pointer, prune old ones.
+
+    Args:
+        out_dir: the run's OUT_DIR.
+        epoch: whole epochs completed (names the file).
+        state: anything ``torch.save`` can store with ``weights_only`` loading.
+        keep: keep the newest ``keep`` checkpoints (0 keeps all).
+        step: optimizer steps done in the epoch after those (0 at an epoch end).
+    """
+    directory = os.path.join(out_dir, CHECKPOINT_DIR)
+    name = checkpoint_name(epoch, step)
+    atomic_write(os.path.join(directory, name), lambda f: torch.save(state, f))
+    atomic_write(
+        os.path.join(directory, LAST_POINTER), lambda f: f.write(name.encode() + b"\n")
+    )
+    if keep > 0:
+        for _, old in list_checkpoints(out_dir)[keep:]:
+            os.remove(old)
+            shutil.rmtree(sharded_dir(old), ignore_errors=True)
+    return os.path.join(directory, name)
+
+
+class RefusedCheckpointError(ValueError):
+    """A file that would build objects or reach files a checkpoint never does."""
+
+
+def refused(reason: str) -> RefusedCheckpointError:
+    """A RefusedCheckpointError saying why."""
+    return RefusedCheckpointError(f"refused to load it: {reason}")
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint that is incomplete, truncated or fails its checksums."""
+
+
+def sharded_dir(path: str) -> str:
+    """The DCP directory that goes with checkpoint file ``path``."""
+    return os.path.splitext(path)[0] + SHARDED_SUFFIX
+
+
+def save_weights(path: str, state: dict) -> None:
+    """Atomically write a weights-only file such as ``best.pth``."""
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def list_checkpoints(out_dir: str) -> list[tuple[tuple[int, int], str]]:
+    """((epoch, step), path) of every checkpoint in the run, newest first."""
+    directory = os.path.join(out_dir, CHECKPOINT_DIR)
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        match = CHECKPOINT_FILE.match(name)
+        if match:
+            position = (int(match.group(1)), int(match.group(2) or 0))
+            found.append((position, os.path.join(directory, name)))
+    return sorted(found, reverse=True)
+
+
+def load_file(path: str) -> Any:
+    """Load a checkpoint or weights file on the CPU, never executing pickled code.
+
+    A file holding pickled code or objects raises RefusedCheckpointError.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        code = re.search(r"GLOBAL ([\w.]+)", str(error))
+        if code is None:
+            raise
+        raise refused(
+            f"it holds pickled code or objects ({code[1]}), which weights-only "
+            "loading never runs"
+        ) from None
+
+
+def error_summary(error: BaseException) -> str:
+    """The last line of ``error``'s message (its type name if it has none)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(error).__name__

@@ -1,0 +1,297 @@
+"""The strategy contract: how one process holds, trains and saves the model.
+
+A strategy turns a plain model and optimizer into what one process runs, and
+back into our checkpoint layout.  :class:`Strategy` is the contract and its
+default behaviour (a model on this process's one device, the whole state in
+every rank); each file of this package overrides what its way of spreading the
+model does differently.  The training loop, evaluation and resume call only
+these methods, never ``isinstance`` on a wrapper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+from yacs.config import CfgNode
+
+from distribuuuu import checkpoint as cp
+from distribuuuu import distributed as du
+from distribuuuu import optim
+from distribuuuu.precision import autocast
+from distribuuuu.state import EMA, MODEL, OPTIMIZER, SavedRun
+
+if TYPE_CHECKING:  # imported for the annotations only
+    from distribuuuu.ema import ModelEma
+    from distribuuuu.losses import TrainLoss
+    from distribuuuu.meters import MetricSums
+    from distribuuuu.state import TrainState
+
+# One micro-batch of a training step: the model's input, the labels (for the
+# metrics) and the loss targets (mixed labels under Mixup/CutMix).
+MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain model inside a DDP (or DataParallel) wrapper."""
+    return model.module if hasattr(model, "module") else model
+
+
+def broadcast_buffers(model: nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s buffers (BatchNorm running statistics) to every rank.
+
+    After the last training step each rank has updated its running statistics
+    with its own batch; evaluating with rank 0's copy everywhere makes the
+    distributed evaluation equal to evaluating the saved checkpoint.
+    """
+    if du.is_distributed():
+        for buffer in unwrap_model(model).buffers():
+            torch.distributed.broadcast(buffer, src)
+
+
+def step_optimizer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    clip_grad_norm: float,
+    check_skip: bool = False,
+) -> bool:
+    """Step (with loss scaling and clipping); with ``check_skip``, False if the
+    GradScaler skipped the step.
+
+    The gradients stay until the next step's backward replaces them.
+    """
+    if clip_grad_norm > 0:
+        scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    if not (check_skip and scaler.is_enabled()):
+        scaler.step(optimizer)
+        scaler.update()
+        return True
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        # A fused optimizer (fused=True; we build none) always gets step() and
+        # skips on the device. The scaler backs off (lowers its scale) exactly
+        # when it skips: reading the scale before and after costs two syncs.
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        return scaler.get_scale() >= scale
+    # GradScaler.step calls optimizer.step only if the gradients are finite, a
+    # decision it reads on the host anyway (one .item() per step, in
+    # GradScaler._maybe_opt_step of torch/amp/grad_scaler.py): a step post-hook
+    # hears it without another synchronization.
+    stepped = []
+    hook = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
+    try:
+        scaler.step(optimizer)
+    finally:
+        hook.remove()
+    scaler.update()
+    return bool(stepped)
+
+
+def rekey_optimizer_state(state: dict, old: list, new: list) -> dict:
+    """An optimizer state_dict with its parameter keys ``old`` renamed ``new``."""
+    rename = dict(zip(old, new))
+    groups = [
+        {**group, "params": [rename[key] for key in group["params"]]}
+        for group in state["param_groups"]
+    ]
+    states = {rename[key]: value for key, value in state["state"].items()}
+    return {"state": states, "param_groups": groups}
+
+
+def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of ``optimizer``'s parameters in its order (groups flattened)."""
+    owner = {param: name for name, param in unwrap_model(model).named_parameters()}
+    return [owner[p] for group in optimizer.param_groups for p in group["params"]]
+
+
+def keyed_by_name(state: dict) -> bool:
+    """Whether an optimizer state_dict keys its parameters by name (FSDP's)."""
+    saved = [key for group in state["param_groups"] for key in group["params"]]
+    return any(isinstance(key, str) for key in saved)
+
+
+class Strategy:
+    """One way of spreading a model over devices and processes.
+
+    Built once per run from the config, this process's device and the
+    autocast dtype; every method takes the model it prepared.
+    """
+
+    name: ClassVar[str] = ""
+    # False where the model's tensors must keep their contiguous layout.
+    supports_channels_last: ClassVar[bool] = True
+
+    def __init__(self, cfg: CfgNode, device: torch.device, amp_dtype=None):
+        self.cfg, self.device, self.amp_dtype = cfg, device, amp_dtype
+
+    @classmethod
+    def cpu_collectives(cls, cfg: CfgNode) -> bool:
+        """Whether collectives on host tensors need gloo beside nccl."""
+        return False
+
+    # --- the model and the optimizer ------------------------------------ #
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """``model`` on this process's device, wrapped or sharded for the run."""
+        return model.to(self.device)
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer of OPTIM over the prepared ``model``."""
+        return optim.build_optimizer(model, self.cfg.OPTIM)
+
+    def devices(self, model: nn.Module) -> list[torch.device]:
+        """The devices this process's ``model`` runs on."""
+        return [self.device]
+
+    def forward_is_collective(self, model: nn.Module) -> bool:
+        """Whether every rank must run each forward pass (sharded weights)."""
+        return False
+
+    def describe(self, model: nn.Module) -> str:
+        """A few words for the start-up report."""
+        return self.name
+
+    # --- training -------------------------------------------------------- #
+    @contextlib.contextmanager
+    def gradient_sync(self, model: nn.Module, sync: bool) -> Iterator[None]:
+        """Backward passes inside synchronize gradients only if ``sync``
+        (False for all but the last micro-batch of gradient accumulation)."""
+        yield
+
+    def train_step(
+        self,
+        state: TrainState,
+        micro_batches: Iterable[MicroBatch],
+        meter: MetricSums,
+        loss_fn: TrainLoss,
+    ) -> bool:
+        """Forward, backward and optimizer step of ``plan.accum`` micro-batches;
+        False when a GradScaler skipped the step.
+
+        Gradients are synchronized on the last micro-batch only.  The metrics
+        of each micro-batch go to ``meter``.
+        """
+        model, accum = state.model, state.plan.accum
+        for micro, (images, targets, loss_targets) in enumerate(micro_batches):
+            with self.gradient_sync(model, sync=micro == accum - 1):
+                with autocast(self.device, state.amp_dtype):
+                    logits = model(images)
+                    loss = loss_fn(logits, loss_targets)
+                if micro == 0:
+                    # Free the last step's gradients here, just before backward
+                    # allocates new ones, not after the step: then the allocator
+                    # hands backward the memory just freed, where freeing before
+                    # the forward made CPU runs page-fault twice as often and the
+                    # step 5-10% slower (tools/benchmark.py, resnet20 on CPU).
+                    # torchvision's reference loop zeroes at the same place.
+                    state.optimizer.zero_grad(set_to_none=True)
+                state.scaler.scale(loss / accum).backward()
+            meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
+        clip = self.cfg.OPTIM.CLIP_GRAD_NORM
+        check_skip = state.ema is not None
+        return step_optimizer(model, state.optimizer, state.scaler, clip, check_skip)
+
+    # --- evaluation ------------------------------------------------------ #
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """The module to evaluate, with rank 0's buffers on every rank.
+
+        Unwrapped: the ranks of an exact evaluation may run different numbers
+        of batches, which a DDP forward (a collective) would not allow.
+        """
+        broadcast_buffers(model)
+        return unwrap_model(model)
+
+    def plain_model(self, model: nn.Module) -> nn.Module:
+        """The model without its wrapper (an FSDP model is its own)."""
+        return unwrap_model(model)
+
+    # --- state in our checkpoint layout ---------------------------------- #
+    def model_state_dict(self, model: nn.Module) -> dict:
+        """The whole model's state_dict without wrapper prefixes (on rank 0 at
+        least; a collective where the weights are spread)."""
+        return unwrap_model(model).state_dict()
+
+    def load_model_state(self, model: nn.Module, weights: dict, strict=True) -> None:
+        """Load a whole state_dict (every rank passes it).
+
+        ``strict=False`` lets keys be missing (fine-tuning leaves out a new
+        head); those keep their values.
+        """
+        unwrap_model(model).load_state_dict(weights, strict=strict)
+
+    def optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict:
+        """The whole optimizer state (on rank 0 at least)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        """Load a whole optimizer state (every rank passes it), keyed by
+        parameter index or, as FSDP saves it, by parameter name."""
+        if keyed_by_name(state):
+            names = parameter_names(model, optimizer)
+            state = rekey_optimizer_state(state, names, list(range(len(names))))
+        optimizer.load_state_dict(state)
+
+    def save_weights(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        ema: ModelEma | None,
+        out_dir: str,
+        name: str,
+    ) -> dict:
+        """The model, optimizer and EMA entries of training checkpoint ``name``.
+
+        Whole tensors, gathered where they are spread; a strategy whose ranks
+        write their own shards returns the entries that name them instead.
+        """
+        entries = {
+            MODEL: self.model_state_dict(model),
+            OPTIMIZER: self.optimizer_state_dict(model, optimizer),
+        }
+        if ema is not None:
+            entries[EMA] = ema.tensors()
+        return entries
+
+    def load_weights(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        saved: SavedRun,
+        ema: ModelEma | None,
+    ) -> bool:
+        """Load what :meth:`save_weights` wrote (a sharded checkpoint is read
+        whole); True if the checkpoint held an EMA to load into ``ema``."""
+        if saved.is_sharded:
+            saved = SavedRun(saved.path, cp.load_full(saved.path))
+        self.load_model_weights(model, saved.state, saved.path)
+        self.load_optimizer_state(model, optimizer, saved.optimizer_state)
+        if ema is None or not saved.has_ema:
+            return False
+        ema.load(saved.ema_tensors, saved.ema_counters)
+        return True
+
+    def load_model_weights(
+        self,
+        model: nn.Module,
+        weights: dict,
+        path: str,
+        finetune_classes: int | None = None,
+    ) -> list[str]:
+        """Load the weights of checkpoint or state_dict ``weights`` (from file
+        ``path``), checked against the model; the keys skipped (a classifier
+        head of another size when ``finetune_classes`` is given)."""
+
+        def load(whole: dict, strict: bool) -> None:
+            self.load_model_state(model, whole, strict)
+
+        plain = self.plain_model(model)
+        return cp.load_model_weights(plain, weights, path, load, finetune_classes)

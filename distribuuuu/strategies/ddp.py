@@ -1,0 +1,55 @@
+"""``DIST.STRATEGY ddp`` (the default): one process per device, every rank holds
+the whole model and optimizer, DistributedDataParallel averages the gradients.
+
+Without a process group (one process) the model simply runs on its device.
+``MODEL.SYNCBN`` converts BatchNorm to synchronized BatchNorm: PyTorch's
+``nn.SyncBatchNorm`` on CUDA, :class:`~distribuuuu.syncbn.GroupSyncBatchNorm`
+elsewhere (PyTorch's refuses CPU modules).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from distribuuuu import distributed as du
+from distribuuuu.strategies.base import Strategy
+from distribuuuu.syncbn import GroupSyncBatchNorm
+
+logger = logging.getLogger(__name__)
+
+
+class DDPStrategy(Strategy):
+    """DistributedDataParallel: replicated weights, all-reduced gradients."""
+
+    name = "ddp"
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        device, distributed = self.device, du.is_distributed()
+        if self.cfg.MODEL.SYNCBN and distributed:
+            if device.type == "cuda":
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+                logger.info("SyncBN: torch.nn.SyncBatchNorm across processes")
+            else:
+                model = GroupSyncBatchNorm.convert_sync_batchnorm(model)
+                logger.info(
+                    "SyncBN: CPU SyncBN active (all_reduce over %s)", device.type
+                )
+        model = model.to(device)
+        if distributed:
+            device_ids = [device.index] if device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=device_ids)
+        return model
+
+    @contextlib.contextmanager
+    def gradient_sync(self, model: nn.Module, sync: bool) -> Iterator[None]:
+        """DDP's ``no_sync`` on the micro-batches that must not all-reduce."""
+        if sync or not isinstance(model, DistributedDataParallel):
+            yield
+        else:
+            with model.no_sync():
+                yield

@@ -1,0 +1,57 @@
+"""``DIST.STRATEGY zero1``: DDP, with the optimizer state sharded across ranks
+(ZeRO stage 1, PyTorch's ``ZeroRedundancyOptimizer``).
+
+Each rank keeps the optimizer state of its share of the parameters and
+updates that share; the updated parameters are broadcast to the others.
+Checkpoints hold the whole optimizer state, consolidated on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from distribuuuu import distributed as du
+from distribuuuu.strategies.ddp import DDPStrategy
+
+logger = logging.getLogger(__name__)
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``optimizer`` rebuilt as a ZeroRedundancyOptimizer (ZeRO stage 1).
+
+    Each rank keeps the state of its share of the parameters only; the
+    parameter groups and hyper-parameters stay those of ``optimizer``.  Without
+    a process group there is nothing to shard and ``optimizer`` is returned.
+    """
+    if not du.is_distributed():
+        logger.info("DIST.STRATEGY zero1 in one process: nothing to shard")
+        return optimizer
+    sharded = ZeroRedundancyOptimizer(
+        [dict(group) for group in optimizer.param_groups],
+        optimizer_class=type(optimizer),
+        **optimizer.defaults,
+    )
+    logger.info("ZeRO-1: optimizer state sharded over %d ranks", du.get_world_size())
+    return sharded
+
+
+class Zero1Strategy(DDPStrategy):
+    """DDP with a ZeroRedundancyOptimizer."""
+
+    name = "zero1"
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return shard_optimizer(super().build_optimizer(model))
+
+    def optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict:
+        """The whole state, consolidated on rank 0 ({} elsewhere); a collective."""
+        if not isinstance(optimizer, ZeroRedundancyOptimizer):  # one process
+            return optimizer.state_dict()
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if du.is_main_process() else {}
