@@ -22,8 +22,6 @@ import gc
 import logging
 import os
 import re
-import subprocess
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from distribuuuu.peers import (
+    backend_reason,
+    forget_group,
+    remember_group,
+    restart_round_store,
+)
+from distribuuuu.slurm import expand_hostlist
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +52,6 @@ class DistributedSetupError(RuntimeError):
 
 class LaunchError(ValueError):
     """The environment describes a launch that cannot work (e.g. srun forgotten)."""
-
-
-class PeerLostError(RuntimeError):
-    """A collective failed because other processes of the job stopped answering."""
 
 
 # Slurm's step ids of a job's batch script and of its "extern" step (processes
@@ -70,62 +72,6 @@ class LaunchInfo:
     master_port: int
     # GPUs Slurm gave this node (SLURM_GPUS_ON_NODE); None where unknown.
     node_gpus: int | None = None
-
-
-def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a Slurm hostlist such as ``node[01-03,07],gpu-[1-2]-ib``.
-
-    Follows Slurm's grammar: comma-separated host expressions, each with any
-    number of bracket groups of comma-separated numbers and ``lo-hi`` ranges;
-    the zero padding of ``lo`` is kept.
-    """
-    hosts: list[str] = []
-    for expr in _split_top_level(hostlist):
-        hosts += _expand_expr(expr)
-    return hosts
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, []
-    for char in text:
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in hostlist {text!r}")
-        if char == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(char)
-    if depth:
-        raise ValueError(f"unbalanced '[' in hostlist {text!r}")
-    parts.append("".join(current))
-    return [part.strip() for part in parts if part.strip()]
-
-
-def _expand_expr(expr: str) -> list[str]:
-    match = re.search(r"\[([^\]]*)\]", expr)
-    if match is None:
-        return [expr]
-    head, tail = expr[: match.start()], expr[match.end() :]
-    out = []
-    for item in match.group(1).split(","):
-        bounds = item.strip().split("-")
-        if len(bounds) == 1 and bounds[0].isdigit():
-            numbers = [bounds[0]]
-        elif len(bounds) == 2 and bounds[0].isdigit() and bounds[1].isdigit():
-            width = len(bounds[0])
-            lo, hi = int(bounds[0]), int(bounds[1])
-            if hi < lo:
-                raise ValueError(f"descending range {item!r} in hostlist {expr!r}")
-            numbers = [str(n).zfill(width) for n in range(lo, hi + 1)]
-        else:
-            raise ValueError(f"bad range {item!r} in hostlist {expr!r}")
-        for number in numbers:
-            out += _expand_expr(head + number + tail)
-    return out
 
 
 def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
@@ -305,7 +251,7 @@ def setup_distributed(
             (see :func:`backend_for`).
     """
     info = detect_launch()
-    _GROUP.clear()  # no group joined (yet) by this run
+    forget_group()  # no group joined (yet) by this run
     device = select_device(
         device_preference, info.local_rank, info.local_world_size, info.node_gpus
     )
@@ -320,7 +266,7 @@ def setup_distributed(
         backend = backend_for(backend, device.type, cpu_collectives)
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            store = _restart_round_store(info, timeout)
+            store = restart_round_store(info, timeout)
             dist.init_process_group(
                 backend=backend,
                 init_method=None if store else "env://",
@@ -340,7 +286,7 @@ def setup_distributed(
                 f"{info.launcher}) within DIST.INIT_TIMEOUT={timeout_s:g}s: "
                 f"{type(error).__name__}: {reason}{advice}"
             ) from error
-        _remember_group(info.rank, info.world_size, timeout_s)
+        remember_group(info.rank, info.world_size, timeout_s)
         try:
             _join_control_group(info.rank, timeout_s)
         except DistributedSetupError:
@@ -356,138 +302,6 @@ _GLOO_INTERFACE = (
     "interface with GLOO_SOCKET_IFNAME (e.g. GLOO_SOCKET_IFNAME=eth0, as "
     "NCCL_SOCKET_IFNAME does for NCCL)"
 )
-
-
-# The group joined by setup_distributed: rank, world size, timeout and its
-# store, kept beyond cleanup_distributed so that a failure can still be told.
-_GROUP: dict[str, Any] = {}
-# Words of gloo's and NCCL's errors when a peer does not answer in time, and
-# when its connection is gone.
-_TIMEOUT_WORDS = ("timed out", "timeout", "pair closure")
-_LOST_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe")
-
-
-def _remember_group(rank: int, world_size: int, timeout_s: float) -> None:
-    try:  # the c10d store the group was formed through (not a public name)
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # without it, only the names of ranks are lost
-        store = None
-    _GROUP.clear()
-    _GROUP.update(rank=rank, world_size=world_size, timeout_s=timeout_s, store=store)
-
-
-def peer_failure(error: BaseException) -> PeerLostError | None:
-    """``error`` told in one line, when a collective timed out or lost a peer.
-
-    For a gloo or NCCL error of a time-out or a closed connection in the group
-    that :func:`setup_distributed` joined, the answer names DIST.INIT_TIMEOUT
-    and the ranks that did not answer: every rank that meets such an error
-    marks itself in the group's store, and waits a few seconds for the others
-    to do the same; those that never do are stopped, dead or hung.  Any other
-    error gives None.
-    """
-    text = str(error)
-    lowered = text.lower()
-    from_backend = isinstance(error, getattr(dist, "DistError", ())) or any(
-        word in lowered for word in ("gloo", "nccl", "processgroup")
-    )
-    timed_out = any(word in lowered for word in _TIMEOUT_WORDS)
-    lost = any(word in lowered for word in _LOST_WORDS)
-    if not (_GROUP and isinstance(error, RuntimeError) and from_backend):
-        return None
-    if not (timed_out or lost):
-        return None
-    rank, world = _GROUP["rank"], _GROUP["world_size"]
-    silent, why = _silent_ranks(_GROUP["store"], rank, world, _GROUP["timeout_s"])
-    reason = _backend_reason(text)
-    if timed_out:
-        what = (
-            f"rank {rank}: a collective waited DIST.INIT_TIMEOUT="
-            f"{_GROUP['timeout_s']:g}s for the other processes ({reason})"
-        )
-    else:
-        what = f"rank {rank}: lost the connection to the other processes ({reason})"
-    if why:
-        who = f"{_name_ranks(silent)} did not answer or could not be asked ({why})"
-    elif silent:
-        who = f"{_name_ranks(silent)} did not answer (stopped, dead or hung)"
-    else:
-        who = "every other rank answered (they waited in different collectives?)"
-    failure = PeerLostError(f"{what}; {who}")
-    failure.__cause__ = error
-    return failure
-
-
-def _backend_reason(text: str) -> str:
-    """The first line of a backend's error without its ``[file.cc:NN]`` prefix."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    first = lines[0] if lines else ""
-    return re.sub(r"^\[[^\]]*\]\s*", "", first)
-
-
-def _name_ranks(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(str(r) for r in ranks)
-
-
-def _silent_ranks(
-    store: Any, rank: int, world_size: int, timeout_s: float
-) -> tuple[list[int], str]:
-    """The ranks that did not mark themselves failed, and why they may be unknown.
-
-    Marks ``rank`` in ``store``, then waits up to 5 s (less for a shorter
-    timeout) for every other rank's mark.
-    """
-    others = [r for r in range(world_size) if r != rank]
-    if store is None:
-        return others, "no store to ask"
-    # A restart of the job (torchrun --max-restarts, Slurm requeue) may share
-    # the store with the failed attempt: its marks must not count.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    attempt += "." + os.environ.get("SLURM_RESTART_COUNT", "0")
-    key = f"distribuuuu/peer_failure/{attempt}/"
-    wait_s = min(5.0, max(1.0, timeout_s))
-    try:
-        # The store may live in a stopped process: never wait on it for long.
-        store.set_timeout(datetime.timedelta(seconds=wait_s))
-        store.set(key + str(rank), "1")
-        deadline = time.monotonic() + wait_s
-        while True:
-            silent = [r for r in others if not store.check([key + str(r)])]
-            if not silent or time.monotonic() >= deadline:
-                return silent, ""
-            time.sleep(0.1)
-    except Exception as error:  # the store is gone or stopped
-        return others, f"the job's store did not answer: {type(error).__name__}"
-
-
-def _restart_round_store(
-    info: LaunchInfo, timeout: datetime.timedelta
-) -> dist.Store | None:
-    """torchrun's store, with a key space of this restart round; None elsewhere.
-
-    torchrun keeps one store (its agent's) for every round of ``--max-restarts``,
-    so the keys the failed round wrote (gloo's addresses, the start-up barrier)
-    are still there: restarted workers read them and try to connect to dead
-    peers (pytorch/pytorch#135712).  A prefix per TORCHELASTIC_RESTART_COUNT
-    keeps the rounds apart.  That count is kept by each node's agent, and
-    agents whose own workers did not fail do not count, so the prefix is used
-    on one node only.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    if info.local_world_size != info.world_size:
-        return None
-    store = dist.TCPStore(
-        info.master_addr,
-        info.master_port,
-        info.world_size,
-        is_master=False,
-        timeout=timeout,
-    )
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"distribuuuu/restart_{restart}/", store)
 
 
 def cleanup_distributed() -> None:
@@ -513,7 +327,9 @@ def release_groups() -> None:
     """
     gc.collect()  # the model, in reference cycles through its hooks
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
+        # By type(), not isinstance(): that would read ``__class__`` of every
+        # object, and torch's deprecated reduce_op warns when asked.
+        if DeviceMesh in type(obj).__mro__:
             registry = getattr(obj, "_pg_registry", None)
             if isinstance(registry, dict):
                 registry.clear()
@@ -598,26 +414,8 @@ def _join_control_group(rank: int, timeout_s: float) -> None:
         raise DistributedSetupError(
             f"rank {rank}: the gloo group of the run's host-side checks could not "
             f"form within DIST.INIT_TIMEOUT={timeout_s:g}s "
-            f"({_backend_reason(str(error))}); {_GLOO_INTERFACE}"
+            f"({backend_reason(str(error))}); {_GLOO_INTERFACE}"
         ) from error
-
-
-def requeue_slurm_job() -> bool:
-    """Ask Slurm to requeue this job (``scontrol requeue $SLURM_JOB_ID``)."""
-    job_id = os.environ.get("SLURM_JOB_ID")
-    if not job_id:
-        logger.warning("DIST.REQUEUE True, but this is not a Slurm job")
-        return False
-    try:
-        result = subprocess.run(
-            ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        logger.warning("could not requeue Slurm job %s: %s", job_id, error)
-        return False
-    if result.returncode != 0:
-        logger.warning("scontrol requeue %s failed: %s", job_id, result.stderr.strip())
-    return result.returncode == 0
 
 
 def all_gather_object(obj: Any) -> list[Any]:

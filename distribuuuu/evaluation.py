@@ -162,12 +162,17 @@ def keep_best(
     state: TrainState,
     stats: dict,
     confusion: torch.Tensor,
-    ema: bool,
-    peaks: dict[str, list[float]],
+    ema: bool = False,
+    peaks: dict[str, list[float]] | None = None,
 ) -> None:
     """Log an evaluation after epoch ``progress.epoch`` and save the weights
-    evaluated when they score best so far (``ema``: the EMA's, which the model
-    holds: "val_ema" records, best_ema.pth)."""
+    evaluated when they score best so far.
+
+    ``ema``: of the EMA weights, which the model holds: "val_ema" records,
+    best_ema.pth.  ``peaks``: this rank's peak memory (MiB) per device in the
+    epoch's training (``"train"``) and in this evaluation (``"eval"``); None:
+    the peak so far for both.
+    """
     progress, epoch = state.progress, state.progress.epoch
     # Before anything counts as best: the model holds the weights evaluated
     # (the EMA's with ``ema``), whose scores mean nothing if they are not finite.
@@ -184,6 +189,9 @@ def keep_best(
         progress.best_ema_top1 = best
     else:
         progress.best_top1 = best
+    if peaks is None:
+        now = PeakMemory(state.strategy.devices(state.model)).read()
+        peaks = {"train": now, "eval": now}
     split = "val_ema" if ema else "val"
     log_evaluation(cfg, state, stats, confusion, split, best, peaks)
     if is_best:

@@ -81,12 +81,20 @@ def log_train_window(cfg, state, meter, step, steps, lr, elapsed, data_time) -> 
     }
     state.writer.write(record, scalars, epoch * steps + step + 1)
     if not math.isfinite(stats["loss"]):
-        plain = state.strategy.plain_model(state.model)
-        window = max(stats["samples"] // state.plan.global_batch, 1)
-        nonfinite_loss(stats["loss"], state.scaler.is_enabled(),
-                       lambda: all_finite(module_tensors(plain)), epoch + 1, step + 1,
-                       window)  # fmt: skip
+        stop_on_nonfinite_loss(state, stats, step)
     return stats
+
+
+def stop_on_nonfinite_loss(state: TrainState, stats: dict, step: int) -> None:
+    """The window's loss is not finite (after 0-based ``step``): raise
+    NonFiniteError, unless a GradScaler skipped those steps and the weights
+    are finite (see :func:`distribuuuu.numerics.nonfinite_loss`)."""
+    plain = state.strategy.plain_model(state.model)
+    window = max(stats["samples"] // state.plan.global_batch, 1)
+    epoch = state.progress.epoch + 1
+    nonfinite_loss(stats["loss"], state.scaler.is_enabled(),
+                   lambda: all_finite(module_tensors(plain)), epoch, step + 1,
+                   window)  # fmt: skip
 
 
 def throughput(cfg: CfgNode, world_size: int, samples: int, elapsed: float) -> dict:

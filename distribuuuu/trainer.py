@@ -39,6 +39,7 @@ from distribuuuu.recompute import enable_activation_checkpointing
 from distribuuuu.resume import resume_or_load, save_training_checkpoint
 from distribuuuu.run_log import log_training_images
 from distribuuuu.session import resolve_seed, run_context, seed_everything
+from distribuuuu.slurm import requeue_slurm_job
 from distribuuuu.state import RunClock, TrainState, plan_batches, restore_rng_state
 from distribuuuu.strategies import Strategy, build_strategy
 
@@ -290,7 +291,7 @@ def stopped(cfg: CfgNode, signum: int) -> dict:
     """End a run that a signal stopped after saving (requeue it if asked)."""
     name = signal.Signals(signum).name
     logger.info("stopped by %s after saving a checkpoint", name)
-    if cfg.DIST.REQUEUE and du.is_main_process() and du.requeue_slurm_job():
+    if cfg.DIST.REQUEUE and du.is_main_process() and requeue_slurm_job():
         logger.info("requeued the Slurm job: it resumes from the checkpoint")
     # The first rank to exit (128+N) ends a --kill-on-bad-exit step: not
     # before rank 0 has requeued.

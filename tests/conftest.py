@@ -207,3 +207,16 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
         f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
         f"\n--- stderr\n{result.stderr[-4000:]}"
     )
+
+
+def strategy_for(name: str, syncbn: bool = False, device="cpu", amp_dtype=None, **keys):
+    """The strategy ``DIST.STRATEGY name`` of the default config on ``device``
+    (``keys``: more DIST values, e.g. ``FSDP_CPU_OFFLOAD=True``)."""
+    from distribuuuu.config import get_cfg
+    from distribuuuu.strategies import build_strategy
+
+    cfg = get_cfg()
+    cfg.DIST.STRATEGY, cfg.MODEL.SYNCBN = name, syncbn
+    for key, value in keys.items():
+        setattr(cfg.DIST, key, value)
+    return build_strategy(cfg, torch.device(device), amp_dtype)

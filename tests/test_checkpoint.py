@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distribuuuu import checkpoint as cp
+from distribuuuu.state import capture_rng_state, restore_rng_state
 
 
 def _state(epoch: int) -> dict:
@@ -71,9 +72,9 @@ def test_module_prefix_is_ignored_and_mismatch_named():
 
 
 def test_rng_state_round_trip(tmp_path):
-    state = cp.capture_rng_state()
+    state = capture_rng_state()
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     path = str(tmp_path / "rng.pth")
     cp.save_weights(path, {"rng": state})
-    cp.restore_rng_state(cp.load_file(path)["rng"])
+    restore_rng_state(cp.load_file(path)["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected

@@ -10,7 +10,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from conftest import assert_ok, opts, read_metrics, read_text, torchrun, train_net
+from conftest import (
+    assert_ok,
+    opts,
+    read_metrics,
+    read_text,
+    strategy_for,
+    torchrun,
+    train_net,
+)
 from distributed_utils import run_on_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -18,9 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 from distribuuuu import checkpoint as cp
 from distribuuuu.ema import ModelEma, warmed_up_decay
 from distribuuuu.models import build_model
-from distribuuuu.parallel import model_state_dict, wrap_model
+from distribuuuu.strategies.base import step_optimizer
 from distribuuuu.syncbn import recompute_bn_statistics
-from distribuuuu.trainer import _optimizer_step
 
 # resnet8 (BatchNorm: buffers are averaged too) on a few synthetic images:
 # 4 steps per epoch, a checkpoint every 3 steps, every checkpoint kept.
@@ -69,11 +76,11 @@ def test_a_step_the_grad_scaler_skips_leaves_the_ema_alone():
     ema = ModelEma(model, decay=0.5, warmup=False)
     before = model.weight.detach().clone()
     scaler.scale(model(torch.full((1, 3), float("inf"))).sum()).backward()
-    assert not _optimizer_step(model, optimizer, scaler, 0.0, check_skip=True)
+    assert not step_optimizer(model, optimizer, scaler, 0.0, check_skip=True)
     assert torch.equal(model.weight, before)  # GradScaler skipped the step
     optimizer.zero_grad()
     scaler.scale(model(torch.ones(1, 3)).sum()).backward()
-    assert _optimizer_step(model, optimizer, scaler, 0.0, check_skip=True)
+    assert step_optimizer(model, optimizer, scaler, 0.0, check_skip=True)
     ema.step()
     assert ema.counters() == {"steps": 1, "updates": 1}
     torch.testing.assert_close(ema.tensors()["weight"], (before + model.weight) / 2)
@@ -150,8 +157,9 @@ def _ema_under_fsdp(rank: int, world: int, directory: str) -> dict:
     torch.manual_seed(0)
     plain = build_model("lenet5", 10)
     torch.manual_seed(0)  # the same initial weights
-    model = wrap_model(build_model("lenet5", 10), torch.device("cpu"), False,
-                       strategy="fsdp")  # fmt: skip
+    fsdp = strategy_for("fsdp")
+    model_state_dict = fsdp.model_state_dict
+    model = fsdp.prepare_model(build_model("lenet5", 10))
     ema = ModelEma(model, decay=0.6, warmup=True, every=1)
     expected = {n: t.clone() for n, t in plain.state_dict().items()}
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]

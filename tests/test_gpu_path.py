@@ -15,16 +15,26 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY, assert_ok, call_main, free_port, read_metrics, torchrun
+from conftest import (
+    TINY,
+    assert_ok,
+    call_main,
+    free_port,
+    read_metrics,
+    strategy_for,
+    torchrun,
+)
 from conftest import train_net as train_net_command
 from distributed_utils import run_on_ranks
 from torch import nn
 
 from distribuuuu import checkpoint as cp
 from distribuuuu import distributed as du
-from distribuuuu import parallel, trainer
+from distribuuuu import session
+from distribuuuu import state as run_state
 from distribuuuu.config import get_cfg
 from distribuuuu.launch import spawn
+from distribuuuu.strategies.dp import AutocastDataParallel
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_two_gpus = pytest.mark.skipif(
@@ -82,7 +92,7 @@ def test_dp_replicas_compute_in_the_callers_dtype_in_their_threads(monkeypatch):
     # DataParallel's own parallel_apply needs CUDA: run its worker's steps on
     # CPU threads instead, under the subclass's parallel_apply.
     monkeypatch.setattr(nn.DataParallel, "parallel_apply", parallel_apply_in_threads)
-    wrapper = parallel.AutocastDataParallel(nn.Identity())
+    wrapper = AutocastDataParallel(nn.Identity())
     wrapper.src_device_obj = torch.device("cpu")
     with torch.autocast("cpu", dtype=torch.float16):
         wrapper.parallel_apply([probe, probe], [(x,), (x,)], [{}, {}])
@@ -96,8 +106,8 @@ def test_dp_replicas_compute_in_the_callers_dtype_in_their_threads(monkeypatch):
 def test_dp_replicas_compute_in_bf16_on_gpus():
     device = torch.device("cuda", 0)
     probe = _DtypeProbe("cuda")
-    model = parallel.wrap_model(probe, device, syncbn=False, mode="dp")
-    assert isinstance(model, parallel.AutocastDataParallel)
+    model = strategy_for("dp", device=device).prepare_model(probe)
+    assert isinstance(model, AutocastDataParallel)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         model(torch.randn(8, 8, device=device))
     assert probe.seen and set(probe.seen) == {torch.bfloat16}
@@ -142,7 +152,7 @@ def test_fsdp_offload_asks_for_cpu_collectives(
     )
     cfg = get_cfg()
     cfg.DIST.STRATEGY, cfg.DIST.FSDP_CPU_OFFLOAD = strategy, offload
-    with trainer.run_context(cfg, log_files=False):
+    with session.run_context(cfg, log_files=False):
         pass
     assert calls[0].get("cpu_collectives", False) is expected
 
@@ -178,36 +188,38 @@ class _FakeCudaRng:
 
 def test_rng_state_of_8_gpus_resumes_on_1(monkeypatch):
     fake = _FakeCudaRng(monkeypatch, count=8)
-    saved = cp.capture_rng_state([torch.device("cuda", 5)])
+    saved = run_state.capture_rng_state([torch.device("cuda", 5)])
     assert [s.tolist() for s in saved["cuda_devices"]] == [[5, 7]]  # its GPU only
     assert "cuda" not in saved
     fake.count = 1  # srun --gpus-per-task=1: the resumed rank sees its GPU as 0
-    cp.restore_rng_state(saved, [torch.device("cuda", 0)])
+    run_state.restore_rng_state(saved, [torch.device("cuda", 0)])
     assert fake.set_calls == [([5, 7], 0)]
 
 
 def test_rng_states_of_every_data_parallel_gpu(monkeypatch):
     fake = _FakeCudaRng(monkeypatch, count=4)
     gpus = [torch.device("cuda", i) for i in (0, 1)]
-    saved = cp.capture_rng_state(gpus)
-    cp.restore_rng_state(saved, gpus)
+    saved = run_state.capture_rng_state(gpus)
+    run_state.restore_rng_state(saved, gpus)
     assert fake.set_calls == [([0, 7], 0), ([1, 7], 1)]
     fake.set_calls.clear()
-    cp.restore_rng_state(cp.capture_rng_state([torch.device("cpu")]), gpus)
+    run_state.restore_rng_state(
+        run_state.capture_rng_state([torch.device("cpu")]), gpus
+    )
     assert fake.set_calls == []  # saved on the CPU: the GPUs keep theirs
 
 
 def test_old_checkpoints_with_every_gpus_rng_state_still_resume(monkeypatch):
     fake = _FakeCudaRng(monkeypatch, count=8)
-    old = cp.capture_rng_state()
+    old = run_state.capture_rng_state()
     old["cuda"] = [fake.get_rng_state(i) for i in range(8)]  # saved before
     fake.count = 4  # 2 nodes x 4 GPUs instead of 1 x 8
-    cp.restore_rng_state(old, [torch.device("cuda", 3)])
-    cp.restore_rng_state(old, [torch.device("cpu")])  # no GPU: CPU state only
+    run_state.restore_rng_state(old, [torch.device("cuda", 3)])
+    run_state.restore_rng_state(old, [torch.device("cpu")])  # no GPU: CPU state only
     assert fake.set_calls == [([3, 7], 3)]
     fake.set_calls.clear()
     old["cuda"] = old["cuda"][:2]  # fewer states than this device's index
-    cp.restore_rng_state(old, [torch.device("cuda", 3)])
+    run_state.restore_rng_state(old, [torch.device("cuda", 3)])
     assert fake.set_calls == []
 
 
@@ -352,7 +364,7 @@ def test_cudnn_flags_of_a_gpu_run(
     monkeypatch.setattr(du, "setup_distributed", fake)
     cfg = get_cfg()
     cfg.CUDNN.BENCHMARK, cfg.CUDNN.DETERMINISTIC = benchmark, deterministic
-    with trainer.run_context(cfg, log_files=False):
+    with session.run_context(cfg, log_files=False):
         flags = torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic
     assert flags == expected
     said = "CUDNN.BENCHMARK turned off" in capsys.readouterr().out

@@ -23,6 +23,7 @@ from conftest import REPO, TINY, TRAIN_NET, descendants, kill_tree, run, start
 from test_slurm import _slurm_ready
 
 import distribuuuu.distributed as du
+from distribuuuu.peers import peer_failure
 
 needs_slurm = pytest.mark.skipif(
     bool(_slurm_ready()), reason=_slurm_ready() or "Slurm is up"
@@ -179,8 +180,8 @@ def test_slurm_train_sh_hands_cpus_per_task_to_srun(tmp_path):
 
 
 def test_only_a_backend_timeout_or_lost_peer_is_told_as_one():
-    assert du.peer_failure(RuntimeError("DataLoader timed out after 5 seconds")) is None
-    assert du.peer_failure(ValueError("gloo timeout")) is None
+    assert peer_failure(RuntimeError("DataLoader timed out after 5 seconds")) is None
+    assert peer_failure(ValueError("gloo timeout")) is None
 
 
 def _rank_pids(launcher_pid: int) -> dict[int, int]:

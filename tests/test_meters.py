@@ -10,12 +10,12 @@ import torch
 from conftest import opts, read_metrics
 from torch import nn
 
-from distribuuuu import trainer
+from distribuuuu import evaluation, trainer
 from distribuuuu.config import load_cfg
 from distribuuuu.logger import setup_logging
 from distribuuuu.meters import DataBoundWatch, PeakMemory
-from distribuuuu.parallel import model_devices
-from distribuuuu.trainer import _format_scaling, _throughput, _watch_data_time
+from distribuuuu.run_log import format_scaling, throughput, watch_data_time
+from distribuuuu.strategies.dp import DataParallelStrategy
 
 
 def test_data_bound_watch_trips_once_after_windows_in_a_row():
@@ -37,7 +37,7 @@ def test_rank0_warns_with_the_knobs_to_turn(caplog):
     run = SimpleNamespace(data_watch=DataBoundWatch())
     with caplog.at_level(logging.WARNING, logger="distribuuuu"):
         for _ in range(6):
-            _watch_data_time(cfg, run, 0.05, 0.1)
+            watch_data_time(cfg, run, 0.05, 0.1)
     (record,) = caplog.records
     message = record.getMessage()
     assert "data-bound" in message and "50%" in message
@@ -46,16 +46,16 @@ def test_rank0_warns_with_the_knobs_to_turn(caplog):
 
 def test_throughput_per_rank_and_scaling_efficiency():
     cfg = load_cfg(None, ["TRAIN.SINGLE_PROCESS_IMG_PER_S", "100"])
-    one = _throughput(cfg, 1, 500, 2.0)
+    one = throughput(cfg, 1, 500, 2.0)
     assert one == {"img_per_s": 250.0, "img_per_s_per_rank": 250.0, "world_size": 1}
-    assert _format_scaling(one) == ""
-    four = _throughput(cfg, 4, 600, 2.0)  # 300 img/s on 4 x 100: 75%
+    assert format_scaling(one) == ""
+    four = throughput(cfg, 4, 600, 2.0)  # 300 img/s on 4 x 100: 75%
     assert four["img_per_s_per_rank"] == 75.0
     assert four["scaling_efficiency"] == 0.75
-    assert _format_scaling(four) == " (75/rank, scaling eff. 75%)"
-    unknown = _throughput(load_cfg(), 2, 600, 2.0)
+    assert format_scaling(four) == " (75/rank, scaling eff. 75%)"
+    unknown = throughput(load_cfg(), 2, 600, 2.0)
     assert "scaling_efficiency" not in unknown
-    assert _format_scaling(unknown) == " (150/rank)"
+    assert format_scaling(unknown) == " (150/rank)"
 
 
 class _FakeCudaMemory:
@@ -84,6 +84,10 @@ def test_peak_memory_is_reset_and_read_on_every_data_parallel_gpu(monkeypatch):
     cuda = _FakeCudaMemory(monkeypatch)
     model = nn.DataParallel(nn.Linear(2, 2))
     model.device_ids = [0, 1]  # as on a machine with two GPUs
+
+    def model_devices(model, device):
+        return DataParallelStrategy(load_cfg(), device).devices(model)
+
     devices = model_devices(model, torch.device("cuda", 0))
     assert devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert model_devices(nn.Linear(2, 2), torch.device("cuda", 1)) == devices[1:]
@@ -106,8 +110,9 @@ def test_each_epoch_logs_the_peaks_of_its_training_and_evaluation(
     cuda = _FakeCudaMemory(monkeypatch)
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
     # The peaks of the two GPUs, whatever devices the run is on.
-    monkeypatch.setattr(trainer, "PeakMemory", lambda devices: PeakMemory(gpus))
-    train_epoch, evaluate = trainer.train_epoch, trainer.evaluate
+    for module in (trainer, evaluation):
+        monkeypatch.setattr(module, "PeakMemory", lambda devices: PeakMemory(gpus))
+    train_epoch, evaluate = trainer.train_epoch, evaluation.evaluate
     epochs = []
 
     def train_epoch_on_gpus(run, *args, **kwargs):
@@ -120,7 +125,7 @@ def test_each_epoch_logs_the_peaks_of_its_training_and_evaluation(
         return evaluate(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "train_epoch", train_epoch_on_gpus)
-    monkeypatch.setattr(trainer, "evaluate", evaluate_on_gpus)
+    monkeypatch.setattr(evaluation, "evaluate", evaluate_on_gpus)
     recipe = opts(
         "MODEL.ARCH lenet5 MODEL.DUMMY_INPUT True DATA.SYNTHETIC_SIZE [16,8] "
         "TRAIN.IM_SIZE 28 TEST.IM_SIZE 28 TRAIN.BATCH_SIZE 8 OPTIM.MAX_EPOCH 2 "

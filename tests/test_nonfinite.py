@@ -21,9 +21,13 @@ from torch.distributed.fsdp import fully_shard
 from distribuuuu import checkpoint as cp
 from distribuuuu import trainer
 from distribuuuu.config import load_cfg
+from distribuuuu.evaluation import keep_best
 from distribuuuu.logger import MetricsWriter
 from distribuuuu.models import build_model
-from distribuuuu.trainer import NonFiniteError, all_finite
+from distribuuuu.numerics import NonFiniteError, all_finite
+from distribuuuu.resume import save_training_checkpoint
+from distribuuuu.run_log import stop_on_nonfinite_loss
+from distribuuuu.session import run_context
 
 # A learning rate so high that the first step sends the weights to ~1e30 and
 # the second step's loss to nan (LeNet-5, synthetic data, seed 1: every time).
@@ -100,9 +104,9 @@ def test_all_finite_agrees_over_ranks_when_one_shard_is_nan(tmp_path):
 def _run_state(out: Path, *extra: str):
     """The config and TrainState of a TINY run into ``out`` (nothing trained)."""
     cfg = load_cfg(None, [*TINY, *extra, "OUT_DIR", str(out)])
-    with trainer.run_context(cfg) as (info, device):
+    with run_context(cfg) as (info, device):
         writer = MetricsWriter(cfg.OUT_DIR, enabled=False)
-        run, _, _ = trainer._build_run(cfg, info, device, writer)
+        run, _, _ = trainer.build_train_state(cfg, info, device, writer)
         yield cfg, run
 
 
@@ -115,16 +119,16 @@ def test_nonfinite_weights_never_count_as_best(tmp_path):
     best = tmp_path / cp.BEST_WEIGHTS
     with _run_state(tmp_path) as (cfg, run):
         run.progress.epoch = 1
-        trainer._log_eval_and_save(cfg, run, *_eval_stats(50.0))
+        keep_best(cfg, run, *_eval_stats(50.0))
         saved = best.read_bytes()  # finite weights: the best so far
         _poison(next(run.model.parameters()))
         run.progress.epoch = 2
         with pytest.raises(NonFiniteError, match="weights evaluated after epoch 2"):
-            trainer._log_eval_and_save(cfg, run, *_eval_stats(60.0))
+            keep_best(cfg, run, *_eval_stats(60.0))
         assert run.progress.best_top1 == 50.0
         assert best.read_bytes() == saved
         with pytest.raises(NonFiniteError, match="by the end of epoch 2"):
-            trainer.save_training_checkpoint(cfg, run)
+            save_training_checkpoint(cfg, run)
     assert not (tmp_path / cp.CHECKPOINT_DIR).exists()
 
 
@@ -134,10 +138,10 @@ def test_a_nonfinite_ema_is_neither_best_nor_saved(tmp_path):
         _poison(next(iter(run.ema.tensors().values())), math.inf)
         assert all_finite(run.model.parameters())  # the raw weights are fine
         with pytest.raises(NonFiniteError, match="by epoch 1, iteration 2"):
-            trainer.save_training_checkpoint(cfg, run)
+            save_training_checkpoint(cfg, run)
         run.progress.epoch = 1
         with run.ema.swapped_in(), pytest.raises(NonFiniteError, match="EMA"):
-            trainer._log_eval_and_save(cfg, run, *_eval_stats(50.0), ema=True)
+            keep_best(cfg, run, *_eval_stats(50.0), ema=True)
         assert run.progress.best_ema_top1 == -1.0
     assert not (tmp_path / cp.BEST_EMA_WEIGHTS).exists()
     assert not (tmp_path / cp.CHECKPOINT_DIR).exists()
@@ -151,12 +155,12 @@ def test_with_a_grad_scaler_a_nonfinite_loss_is_fatal_only_with_nonfinite_weight
     with _run_state(tmp_path) as (_, run):
         run.scaler = torch.amp.GradScaler("cpu")
         window = {"loss": math.inf, "samples": 64}  # 2 steps of 32
-        trainer._nonfinite_loss(run, window, step=3)  # a warning, no error
+        stop_on_nonfinite_loss(run, window, step=3)  # a warning, no error
         assert "GradScaler skipped those steps" in read_text(tmp_path, "log.txt")
         _poison(next(run.model.parameters()))
         match = r"became inf at epoch 1, iteration 4 \(or earlier, from iteration 3\)"
         with pytest.raises(NonFiniteError, match=match):
-            trainer._nonfinite_loss(run, window, step=3)
+            stop_on_nonfinite_loss(run, window, step=3)
 
 
 # --------------------------------------------------------------------------- #

@@ -9,19 +9,14 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_ok, opts, read_metrics, torchrun, train_net
+from conftest import assert_ok, opts, read_metrics, strategy_for, torchrun, train_net
 from distributed_utils import run_on_ranks
 from torch import nn
 
 from distribuuuu.inference import read_checkpoint
 from distribuuuu.models import build_model
-from distribuuuu.parallel import (
-    enable_activation_checkpointing,
-    model_state_dict,
-    optimizer_state_dict,
-    shard_optimizer,
-    wrap_model,
-)
+from distribuuuu.recompute import enable_activation_checkpointing
+from distribuuuu.strategies.zero1 import shard_optimizer
 
 STEPS, BATCH = 4, 6  # optimizer steps; samples per rank per step
 
@@ -39,8 +34,8 @@ def _train(rank: int, world: int, arch: str, strategy: str, act_ckpt: bool) -> d
     model = build_model(arch, 10)
     if act_ckpt:
         enable_activation_checkpointing(model)
-    cpu = torch.device("cpu")
-    model = wrap_model(model, cpu, False, strategy=strategy)
+    spread = strategy_for(strategy)
+    model = spread.prepare_model(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if strategy == "zero1":
         optimizer = shard_optimizer(optimizer)
@@ -53,8 +48,8 @@ def _train(rank: int, world: int, arch: str, strategy: str, act_ckpt: bool) -> d
         assert 0 < len(optimizer.optim.state) < len(list(model.parameters()))
     # Collectives for ZeRO and FSDP: rank 0 gets everything.
     return {
-        "model": model_state_dict(model),
-        "optimizer": optimizer_state_dict(model, optimizer),
+        "model": spread.model_state_dict(model),
+        "optimizer": spread.optimizer_state_dict(model, optimizer),
     }
 
 
@@ -257,7 +252,7 @@ def test_timm_activation_checkpointing_updates_batchnorm_statistics_once(
     """timm's own switch recomputes without our frozen statistics, so a BatchNorm
     would count each step twice; our wrapping of timm's blocks must not."""
     pytest.importorskip("timm")
-    from distribuuuu import parallel
+    from distribuuuu import recompute
 
     calls = []
 
@@ -265,7 +260,7 @@ def test_timm_activation_checkpointing_updates_batchnorm_statistics_once(
         calls.append(args[0])
         return torch.utils.checkpoint.checkpoint(*args, **kwargs)
 
-    monkeypatch.setattr(parallel, "checkpoint", counted_checkpoint)
+    monkeypatch.setattr(recompute, "checkpoint", counted_checkpoint)
     torch.manual_seed(0)
     plain = build_model("timm/resnet10t", 3)
     recomputed = copy.deepcopy(plain)

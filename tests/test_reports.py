@@ -194,7 +194,7 @@ def test_image_grid_shows_the_augmented_training_images():
     before normalisation: the first tile is sample 0 under the run's seed."""
     from distribuuuu.config import load_cfg
     from distribuuuu.data import build_dataset
-    from distribuuuu.trainer import _log_training_images
+    from distribuuuu.run_log import log_training_images
 
     class Capture:
         def image(self, tag: str, pixels) -> None:
@@ -202,7 +202,7 @@ def test_image_grid_shows_the_augmented_training_images():
 
     dataset = build_dataset(load_cfg(), train=True)
     writer = Capture()
-    _log_training_images(writer, dataset, seed=3)
+    log_training_images(writer, dataset, seed=3)
     torch.manual_seed(3)
     first = dataset[0][0].permute(1, 2, 0).numpy()
     assert writer.pixels.shape == (2 + 2 * 30, 2 + 8 * 30, 3)  # 2 rows of 8, padded

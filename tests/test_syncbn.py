@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import strategy_for
 from distributed_utils import run_on_ranks
 from torch import nn
 
-from distribuuuu.parallel import wrap_model
 from distribuuuu.syncbn import GroupSyncBatchNorm
 
 # Samples per rank: unequal on purpose.
@@ -133,7 +133,7 @@ def _train(model, batches, rank: int | None):
 
 
 def _ddp_rank(rank: int, world: int, per_step) -> dict:
-    model = wrap_model(_cnn(), torch.device("cpu"), syncbn=True)
+    model = strategy_for("ddp", syncbn=True).prepare_model(_cnn())
     assert any(isinstance(m, GroupSyncBatchNorm) for m in model.modules())
     return _train(model, _global_batches(per_step), rank)
 

@@ -141,7 +141,8 @@ def run(cfg, eval_only: bool, dry_run: bool = False) -> None:
     finished releases its process groups before the interpreter exits (not
     one that failed: a peer may still hang in a collective).
     """
-    from distribuuuu.distributed import peer_failure, release_groups
+    from distribuuuu.distributed import release_groups
+    from distribuuuu.peers import peer_failure
 
     try:
         _run_rank(cfg, eval_only, dry_run)
@@ -484,8 +485,9 @@ def launch(cfg, args: argparse.Namespace) -> int:
     """Run ``cfg`` in this process or ``--num-procs`` ones; return the exit code."""
     import torch.multiprocessing as mp
 
-    from distribuuuu.distributed import DistributedSetupError, PeerLostError
+    from distribuuuu.distributed import DistributedSetupError
     from distribuuuu.launch import spawn
+    from distribuuuu.peers import PeerLostError
 
     try:
         if args.num_procs > 1:

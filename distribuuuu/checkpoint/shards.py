@@ -163,6 +163,20 @@ def _check_metadata(directory: str, metadata: Any) -> None:
         and isinstance(storage, dict)
     ):
         raise refused(f"{path}: not DCP checkpoint metadata")
+    declared = _declared_bytes(path, entries)
+    sizes = _shard_file_sizes(directory, path, storage)
+    # Tensors are stored whole in the shard files: metadata that declares more
+    # bytes than those hold would only make the reader allocate them.
+    if declared > sum(sizes.values()):
+        raise refused(
+            f"{path}: declares {declared} bytes of tensors in "
+            f"{sum(sizes.values())} bytes of shards"
+        )
+
+
+def _declared_bytes(path: str, entries: dict) -> int:
+    """The bytes of the tensors the metadata ``entries`` declare; refuse
+    entries of the wrong shape."""
     declared = 0
     for key, entry in entries.items():
         if isinstance(entry, TensorStorageMetadata):
@@ -183,6 +197,12 @@ def _check_metadata(directory: str, metadata: Any) -> None:
             declared += math.prod(entry.size) * dtype.itemsize
         elif not isinstance(entry, BytesStorageMetadata):
             raise refused(f"{path}: malformed entry {key!r}")
+    return declared
+
+
+def _shard_file_sizes(directory: str, path: str, storage: dict) -> dict[str, int]:
+    """The size of each shard file the metadata's ``storage`` entries name;
+    refuse names outside ``directory``, call short files damaged."""
     sizes: dict[str, int] = {}
     for info in storage.values():
         name = getattr(info, "relative_path", None)
@@ -209,13 +229,7 @@ def _check_metadata(directory: str, metadata: Any) -> None:
             raise DamagedCheckpointError(
                 f"{directory}: {name} is shorter than its metadata says (truncated?)"
             )
-    # Tensors are stored whole in the shard files: metadata that declares more
-    # bytes than those hold would only make the reader allocate them.
-    if declared > sum(sizes.values()):
-        raise refused(
-            f"{path}: declares {declared} bytes of tensors in "
-            f"{sum(sizes.values())} bytes of shards"
-        )
+    return sizes
 
 
 def read_dcp_metadata(directory: str) -> Metadata:
