@@ -126,6 +126,9 @@ class Strategy:
     name: ClassVar[str] = ""
     # False where the model's tensors must keep their contiguous layout.
     supports_channels_last: ClassVar[bool] = True
+    # Each process drives one device (so a node needs a GPU per process);
+    # False for a process that drives every GPU it sees.
+    one_device_per_process: ClassVar[bool] = True
 
     def __init__(self, cfg: CfgNode, device: torch.device, amp_dtype=None):
         self.cfg, self.device, self.amp_dtype = cfg, device, amp_dtype

@@ -59,6 +59,7 @@ class DataParallelStrategy(Strategy):
     """DataParallel over all visible GPUs of one process."""
 
     name = "dp"
+    one_device_per_process = False
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         if du.get_world_size() > 1:
