@@ -166,8 +166,11 @@ def run_tool(
 
 
 class StartupStop(BaseException):
-    """SIGTERM or SIGUSR1 before the training loop takes them over (the loop
-    saves a checkpoint and stops); like KeyboardInterrupt, no ``Exception``."""
+    """SIGTERM or SIGUSR1 before the training loop takes them over.
+
+    (The loop saves a checkpoint and stops.)  Like KeyboardInterrupt, not an
+    ``Exception``.
+    """
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -251,6 +254,7 @@ def train_run_rules(
     from distribuuuu.distributed import DistributedSetupError, PeerLostError
 
     def process_failed(error: BaseException) -> str:
+        """The line of a failed --num-procs process: its number and error."""
         where = f"process {error.error_index} of {num_procs} failed"
         return f"{where}: {describe_error(error)}"
 

@@ -66,9 +66,11 @@ def check_weights(
 
 
 def check_launch(cfg: CfgNode, num_procs: int = 1) -> None:
-    """Refuse a launch that cannot work: srun forgotten in a batch script,
-    DEVICE cuda without CUDA, or more processes on a node than GPUs for them
-    (``num_procs``: --num-procs)."""
+    """Refuse a launch that cannot work; raise ConfigError.
+
+    srun forgotten in a batch script, DEVICE cuda without CUDA, or more
+    processes on a node than GPUs for them (``num_procs``: --num-procs).
+    """
     import torch
 
     from distribuuuu.distributed import LaunchError, detect_launch, gpu_index
@@ -94,8 +96,12 @@ _TRAIN_IMAGES = {"mnist5k": 4000, "cifar10": 50_000, "cifar100": 50_000}
 
 
 def check_batch_fits(cfg: CfgNode, world_size: int) -> None:
-    """Refuse a step (TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS) larger than the
-    training images each of ``world_size`` processes gets; raise ConfigError."""
+    """Refuse a step larger than each process's share of the training images.
+
+    A step is TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS images; each of
+    ``world_size`` processes gets its share of the training set.  Raises
+    ConfigError.
+    """
     from distribuuuu.data import count_images
 
     step = cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS
@@ -174,8 +180,11 @@ def check_inputs(
 
 
 def check_resume(out_dir: str) -> None:
-    """Refuse a run whose OUT_DIR holds a checkpoint that would build code or
-    reach files elsewhere (damaged ones are skipped when resuming)."""
+    """Refuse an OUT_DIR whose checkpoint would be refused; raise ConfigError.
+
+    A checkpoint that would build code or reach files elsewhere is refused;
+    damaged ones are skipped when resuming, and pass.
+    """
     from distribuuuu import checkpoint as cp
 
     try:

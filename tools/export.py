@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def export_and_report() -> None:
+        """Write and check the artefacts, then say what was written."""
         written = export_weights(
             args.weights,
             args.out,

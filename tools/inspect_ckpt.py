@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def inspect_and_print() -> None:
+        """Read the file and print its summary (text or JSON)."""
         info = summarize(read_checkpoint(args.path))
         print(json.dumps(info) if args.json else format_summary(info))
 

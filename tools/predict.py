@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def classify_and_print() -> None:
+        """Print one line per image as soon as its batch is classified."""
         classified = classify_images(
             args.weights,
             args.inputs,

@@ -48,6 +48,7 @@ def _coerce(key: str, value: Any, default: Any, where: str) -> Any:
     """Check ``value`` against the default's type; return the value to store."""
 
     def bad(expected: str) -> ConfigError:
+        """The error naming the key, what it takes and the value given."""
         return ConfigError(f"{where}{key}: expected {expected}, got {value!r}")
 
     # Every key, lists included: inf and nan (1e999, .inf, .nan) are no setting.
@@ -153,6 +154,7 @@ class _BoundedLoader(yaml.SafeLoader):
         self._expanded: dict[int, tuple[yaml.Node, int, int]] = {}
 
     def compose_node(self, parent, index):
+        """Compose one node as yaml does, counting its depth and expanded size."""
         self._nesting += 1
         if self._nesting > MAX_YAML_DEPTH:
             raise ConfigError(f"nested deeper than {MAX_YAML_DEPTH} levels")
@@ -333,6 +335,7 @@ def format_cfg(cfg: CfgNode) -> str:
     lines = []
 
     def emit(node: CfgNode, prefix: str, indent: str) -> None:
+        """Append the lines of ``node``, keys sorted, sections indented."""
         for name in sorted(node):
             value, key = node[name], prefix + name
             if isinstance(value, CfgNode):
