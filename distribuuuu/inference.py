@@ -26,10 +26,11 @@ from distribuuuu.config import (
     resolve_data_name,
 )
 from distribuuuu.models import build_model, is_model
+from distribuuuu.state import holds_optimizer, model_weights
 
-TRAINING_CHECKPOINT = "training checkpoint"
-BEST_WEIGHTS = "best weights"
-STATE_DICT = "plain state_dict"
+KIND_TRAINING_CHECKPOINT = "training checkpoint"
+KIND_BEST_WEIGHTS = "best weights"
+KIND_STATE_DICT = "plain state_dict"
 
 
 # Lines of torch.load's weights-only errors that explain the option, not the file.
@@ -45,13 +46,13 @@ class Checkpoint:
     """A loaded weights file: what it holds and the model tensors in it."""
 
     path: str
-    kind: str  # TRAINING_CHECKPOINT, BEST_WEIGHTS or STATE_DICT
+    kind: str  # KIND_TRAINING_CHECKPOINT, KIND_BEST_WEIGHTS or KIND_STATE_DICT
     state: dict  # the whole file (for a plain state_dict, the weights)
     weights: dict[str, torch.Tensor]  # the model's tensors, without ``module.``
 
     def get(self, key: str, default=None):
         """A metadata entry of the file (``default`` for a plain state_dict)."""
-        return default if self.kind == STATE_DICT else self.state.get(key, default)
+        return default if self.kind == KIND_STATE_DICT else self.state.get(key, default)
 
 
 def _refusal(error: Exception) -> str:
@@ -68,15 +69,16 @@ def _refusal(error: Exception) -> str:
 
 
 def checkpoint_kind(state: object) -> str:
-    """TRAINING_CHECKPOINT, BEST_WEIGHTS or STATE_DICT; a CheckpointError otherwise."""
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        return TRAINING_CHECKPOINT if "optimizer" in state else BEST_WEIGHTS
+    """The kind label of a loaded file (``KIND_*``); a CheckpointError otherwise."""
+    weights = model_weights(state)
+    if weights is not state and isinstance(weights, dict):
+        return KIND_TRAINING_CHECKPOINT if holds_optimizer(state) else KIND_BEST_WEIGHTS
     if (
         isinstance(state, dict)
         and state
         and all(isinstance(value, torch.Tensor) for value in state.values())
     ):
-        return STATE_DICT
+        return KIND_STATE_DICT
     raise CheckpointError(
         f"not a checkpoint or state_dict (it holds a {type(state).__name__} "
         "without model tensors)"

@@ -46,7 +46,7 @@ def test_compatibility_keys_exist():
 
 
 def test_every_default_has_a_comment():
-    source = read_text(REPO, "distribuuuu", "config.py").splitlines()
+    source = read_text(REPO, "distribuuuu", "config", "defaults.py").splitlines()
     for index, line in enumerate(source):
         if line.startswith("_C.") and " = " in line and "CfgNode()" not in line:
             assert source[index - 1].startswith("#"), f"no comment above: {line}"

