@@ -10,7 +10,7 @@ import json
 import sys
 
 import pytest
-from conftest import REPO, assert_ok, run
+from helpers import REPO, assert_ok, run_command
 
 # Loaded from this checkout's file: distribuuuu.tools maps to the installed one.
 _SPEC = importlib.util.spec_from_file_location(
@@ -27,7 +27,7 @@ def test_short_benchmark_writes_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, f"{REPO}/tools/benchmark.py", "--short", "--threads", "1"]
     cmd += ["--model", "resnet8", "--batch", "8", "--out", str(out)]
-    result = run(cmd, timeout=240)
+    result = run_command(cmd, timeout=240)
     assert_ok(result)
     for row in ("train_step", "train_step cpu", "eval", "data_pipeline", "startup"):
         assert row in result.stdout

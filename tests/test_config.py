@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import yaml
-from conftest import REPO, assert_ok, read_text, train_net
+from helpers import REPO, assert_ok, read_text, train_net
 from yacs.config import CfgNode
 
 from distribuuuu.config import (
@@ -142,6 +142,7 @@ def test_missing_dataset_directory(tmp_path):
         load_cfg(None, ["TRAIN.DATASET", missing])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -181,6 +182,7 @@ def _leaves(node: dict, prefix: str = "") -> dict:
     return leaves
 
 
+@pytest.mark.slow
 def test_help_config_lists_every_key_with_its_default_and_comment():
     result = train_net("--help-config", timeout=60)
     assert_ok(result)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_ok, read_metrics, read_text, torchrun, train_net
+from helpers import assert_ok, read_metrics, read_text, torchrun, train_net
 
 # A model without BatchNorm on small synthetic data: 512 training images.
 NO_BN = [

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import opts
 from PIL import Image
 from torchvision.transforms import v2
 
@@ -65,8 +64,8 @@ def test_uint8_pipeline_matches_torchvisions_float_one_with_erasing():
     """Crop, flip and erasing on uint8 in the workers, then normalisation on the
     device, give torchvision's reference order (erase after Normalize) from
     the same random numbers; erased pixels differ by the mean's rounding."""
-    words = "MODEL.DUMMY_INPUT True TRAIN.IM_SIZE 32 TEST.IM_SIZE 32"
-    cfg = load_cfg(None, opts(words + " DATA.RANDOM_ERASING 1.0"))
+    words = ["MODEL.DUMMY_INPUT", "True", "TRAIN.IM_SIZE", "32", "TEST.IM_SIZE", "32"]
+    cfg = load_cfg(None, [*words, "DATA.RANDOM_ERASING", "1.0"])
     dataset = build_dataset(cfg, train=True)
     raw = SyntheticDataset(len(dataset), 32, cfg.MODEL.NUM_CLASSES)
     reference = v2.Compose([

@@ -10,16 +10,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from conftest import (
+from helpers import (
     assert_ok,
-    opts,
     read_metrics,
     read_text,
+    run_on_ranks,
     strategy_for,
     torchrun,
     train_net,
 )
-from distributed_utils import run_on_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -31,11 +30,26 @@ from distribuuuu.syncbn import recompute_bn_statistics
 
 # resnet8 (BatchNorm: buffers are averaged too) on a few synthetic images:
 # 4 steps per epoch, a checkpoint every 3 steps, every checkpoint kept.
-RUN = opts(
-    "MODEL.ARCH resnet8 DATA.NAME synthetic DATA.SYNTHETIC_SIZE [48,16] "
-    "TRAIN.BATCH_SIZE 12 TRAIN.PRINT_FREQ 4 OPTIM.MAX_EPOCH 2 MODEL.EMA True "
-    "CHECKPOINT.PERIOD_ITERS 3 CHECKPOINT.KEEP 0"
-)
+RUN = [
+    "MODEL.ARCH",
+    "resnet8",
+    "DATA.NAME",
+    "synthetic",
+    "DATA.SYNTHETIC_SIZE",
+    "[48,16]",
+    "TRAIN.BATCH_SIZE",
+    "12",
+    "TRAIN.PRINT_FREQ",
+    "4",
+    "OPTIM.MAX_EPOCH",
+    "2",
+    "MODEL.EMA",
+    "True",
+    "CHECKPOINT.PERIOD_ITERS",
+    "3",
+    "CHECKPOINT.KEEP",
+    "0",
+]
 
 
 def _checkpoint(out: str, name: str | None = None) -> dict:
@@ -128,15 +142,31 @@ def test_run_evaluates_saves_and_resumes_the_ema(tmp_path):
     assert again["best_ema_top1"] == final["best_ema_top1"]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_run_on_two_ranks_resumes_on_one_process(tmp_path):
     """LeNet-5 (no BatchNorm) trains the same on 2 x 6 and 1 x 12 images."""
     two, one = str(tmp_path / "two"), str(tmp_path / "one")
-    args = opts(
-        "MODEL.ARCH lenet5 DATA.NAME synthetic DATA.SYNTHETIC_SIZE [48,16] "
-        "TRAIN.BATCH_SIZE 6 OPTIM.MAX_EPOCH 2 MODEL.EMA True MODEL.EMA_EVERY 2 "
-        "CHECKPOINT.PERIOD_ITERS 3 CHECKPOINT.KEEP 0"
-    )
+    args = [
+        "MODEL.ARCH",
+        "lenet5",
+        "DATA.NAME",
+        "synthetic",
+        "DATA.SYNTHETIC_SIZE",
+        "[48,16]",
+        "TRAIN.BATCH_SIZE",
+        "6",
+        "OPTIM.MAX_EPOCH",
+        "2",
+        "MODEL.EMA",
+        "True",
+        "MODEL.EMA_EVERY",
+        "2",
+        "CHECKPOINT.PERIOD_ITERS",
+        "3",
+        "CHECKPOINT.KEEP",
+        "0",
+    ]
     assert_ok(torchrun(2, *args, "DIST.STRATEGY", "fsdp", "OUT_DIR", two))
     assert [r["world_size"] for r in read_metrics(two, "val_ema")] == [2, 2]
     final = _checkpoint(two)  # its EMA from the shards, read whole

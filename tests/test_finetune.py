@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 import torchvision
-from conftest import assert_ok, call_main, read_text, train_net
+from helpers import assert_ok, call_main, read_text, train_net
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.models import build_model

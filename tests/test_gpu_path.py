@@ -15,17 +15,17 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import (
+from helpers import (
     TINY,
     assert_ok,
     call_main,
     free_port,
     read_metrics,
+    run_on_ranks,
     strategy_for,
     torchrun,
 )
-from conftest import train_net as train_net_command
-from distributed_utils import run_on_ranks
+from helpers import train_net as train_net_command
 from torch import nn
 
 from distribuuuu import checkpoint as cp
@@ -392,6 +392,7 @@ def _side_group(rank: int, world: int, interface: str) -> dict:
     return {"formed": formed, "max": du.all_reduce_max_int(rank + 10)}
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_side_group_forms_at_start_up(tmp_path):
     results = run_on_ranks(2, _side_group, ("",), str(tmp_path))
@@ -425,6 +426,7 @@ def _setup_with_a_failing_side_group(out_dir: str) -> None:
     torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_setup_that_fails_on_the_side_group_leaves_the_process_group(tmp_path):
     spawn(2, _setup_with_a_failing_side_group, (str(tmp_path),))
@@ -535,6 +537,7 @@ def _fsdp_step_then_release(out_dir: str, release: bool) -> None:
     torch.save(_gloo_threads(), os.path.join(out_dir, f"rank{info.rank}.pt"))
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("release", [False, True])
 def test_a_finished_fsdp_run_leaves_no_gloo_threads_behind(tmp_path, release):

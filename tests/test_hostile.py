@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     assert_ok,
     call_main,
     import_train_net,
@@ -196,6 +196,7 @@ def test_bad_config_exits_2(case, out_dir, tmp_path):
     assert not (tmp_path / "ran").exists()  # a .py config never runs
 
 
+@pytest.mark.slow
 def test_debug_adds_the_traceback(out_dir):
     before = snapshot(out_dir)
     result = train_net(
@@ -277,6 +278,7 @@ def corrupt_folder(root: Path, per_class: int = 4) -> tuple[Path, Path]:
     return garbage, truncated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", ["0", "1"])
 def test_corrupt_image_stops_the_run_naming_the_file(out_dir, tmp_path, workers):
     # The trained run resumes for a second epoch, with its batch of 64 images.
@@ -290,6 +292,7 @@ def test_corrupt_image_stops_the_run_naming_the_file(out_dir, tmp_path, workers)
     assert line[len("error: ") :] in log
 
 
+@pytest.mark.slow
 def test_skip_corrupt_warns_and_finishes(tmp_path):
     garbage, truncated = corrupt_folder(tmp_path / "data")
     out = tmp_path / "out"
@@ -379,6 +382,7 @@ def fill(directory: Path) -> None:
             f.write(b"\0" * 4096)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="root only")
 def test_full_disk_is_found_before_training(trained_out_dir, tmp_path):
     with tiny_tmpfs(tmp_path / "disk", "2m") as disk:

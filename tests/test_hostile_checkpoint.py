@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import TINY, call_main, train_net
+from helpers import TINY, call_main, train_net
 from PIL import Image
 from test_hostile import assert_one_error_line, snapshot
 
@@ -250,6 +250,7 @@ def test_last_pointer_is_confined_to_the_folder(tmp_path, caplog, content):
     assert "ignoring" in caplog.text and str(folder / "last") in caplog.text
 
 
+@pytest.mark.slow
 def test_stale_temporary_files_are_removed_at_start(tmp_path):
     """Half-written files of a SIGKILLed save are removed when a run starts."""
     out = tmp_path / "out"
@@ -285,6 +286,7 @@ def test_remove_stale_files_leaves_others(tmp_path):
     shutil.rmtree(tmp_path / "checkpoints")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_disk_full_during_the_run_keeps_the_previous_checkpoint(tmp_path):
     """The disk fills up after the first checkpoint: one plain error line, no
@@ -303,11 +305,12 @@ def test_disk_full_during_the_run_keeps_the_previous_checkpoint(tmp_path):
         assert cp.load_file(str(folder / "ckpt_ep_0001.pth"))["epoch"] == 1
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_resume_skips_a_truncated_shard(tmp_path):
     """``truncate -s 1000`` of a shard of the newest FSDP checkpoint: the rerun
     warns, resumes from the previous complete one and finishes."""
-    from conftest import assert_ok, read_metrics, torchrun
+    from helpers import assert_ok, read_metrics, torchrun
 
     out = str(tmp_path / "out")
     fsdp = [*TINY, "DIST.STRATEGY", "fsdp", "OUT_DIR", out]
@@ -332,7 +335,7 @@ def test_real_commands_answer_a_crafted_checkpoint_in_one_line(kind, tmp_path):
     """As a user runs them: DCP logs a traceback of its own when it cannot read
     metadata; none may reach the console (the in-process cases above do not see
     the logging handlers torch made at import)."""
-    from conftest import REPO, run
+    from helpers import REPO, run_command
 
     marker = tmp_path / "code-ran"
     pth = crafted(kind, tmp_path, marker)
@@ -340,6 +343,6 @@ def test_real_commands_answer_a_crafted_checkpoint_in_one_line(kind, tmp_path):
     result = train_net(*TINY, "MODEL.WEIGHTS", str(pth), "OUT_DIR", str(out))
     assert "refused" in assert_one_error_line(result, 2, [str(pth)])
     tool = os.path.join(REPO, "tools", "inspect_ckpt.py")
-    result = run([sys.executable, tool, str(pth)], timeout=120)
+    result = run_command([sys.executable, tool, str(pth)], timeout=120)
     assert "refused" in assert_one_error_line(result, 2, [str(pth)])
     assert not marker.exists() and not out.exists()

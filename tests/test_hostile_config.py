@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     TINY,
     TRAIN_NET,
     assert_ok,
@@ -351,6 +351,7 @@ def _slow_yaml(tmp: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "signum, code, words",
     [

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_ok, run, train_net
+from helpers import assert_ok, run_command, train_net
 from PIL import Image
 from test_hostile import (
     LENET,
@@ -161,7 +161,7 @@ def test_two_self_links_do_not_hang_predict(two_self_links, trained_out_dir):
     folder = str(two_self_links / "train")
     tool = os.path.join(REPO, "tools", "predict.py")
     cmd = [sys.executable, tool, "--weights", weights, "--device", "cpu", "--json"]
-    result = run([*cmd, folder], timeout=60)
+    result = run_command([*cmd, folder], timeout=60)
     assert_ok(result)
     printed = [json.loads(line)["path"] for line in result.stdout.splitlines()]
     expected = sorted(str(p) for p in Path(folder).glob("c*/*.*"))
@@ -211,7 +211,7 @@ for read in (decode_image_file, load_image):
             errors.append(str(error))
 print(json.dumps({{"grown_mb": peak() - before, "errors": errors}}))
 """
-    result = run([sys.executable, "-c", script], timeout=60)
+    result = run_command([sys.executable, "-c", script], timeout=60)
     assert_ok(result)
     report = json.loads(result.stdout.splitlines()[-1])
     assert len(report["errors"]) == 4, report

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, TRAIN_NET, descendants, kill_tree, run, start
+from helpers import REPO, TINY, TRAIN_NET, descendants, kill_tree, run_command, start
 from test_slurm import _slurm_ready
 
 import distribuuuu.distributed as du
@@ -81,12 +81,14 @@ def _sbatch_wait(tmp_path: Path, options: list[str], command: str):
     cmd += [*options, f"--output={log}", "--wrap", command]
     began = time.monotonic()
     try:
-        result = run(cmd, timeout=150, env={"PYTHONPATH": REPO})
+        result = run_command(cmd, timeout=150, env={"PYTHONPATH": REPO})
     finally:
         subprocess.run(["scancel", f"--name={name}"], timeout=30, check=False)
     return result.returncode, time.monotonic() - began, log.read_text()
 
 
+@pytest.mark.slurm
+@pytest.mark.distributed
 @needs_slurm
 @pytest.mark.slow
 def test_plain_python_in_sbatch_of_two_tasks_fails_at_once_naming_srun(tmp_path):
@@ -136,6 +138,8 @@ def test_cpu_threads_divide_only_shared_cpus(affinity, local, env, threads):
     assert du.cpu_threads(affinity, local, env) == threads
 
 
+@pytest.mark.slurm
+@pytest.mark.distributed
 @needs_slurm
 @pytest.mark.slow
 def test_srun_tasks_with_cpus_per_task_keep_their_cpus(tmp_path):
@@ -143,12 +147,14 @@ def test_srun_tasks_with_cpus_per_task_keep_their_cpus(tmp_path):
     divide them again by the 2 tasks of the node: 1 thread)."""
     cmd = ["env", "-u", "OMP_NUM_THREADS", "srun", "-O", "-n", "2", "-c", "2"]
     cmd += ["--time=3", sys.executable, TRAIN_NET, "--dry-run", *TINY]
-    result = run([*cmd, "OUT_DIR", str(tmp_path / "out")], timeout=150)
+    result = run_command([*cmd, "OUT_DIR", str(tmp_path / "out")], timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
     text = result.stdout + result.stderr
     assert "launcher slurm" in text and "2 CPU thread(s) per process" in text
 
 
+@pytest.mark.slurm
+@pytest.mark.distributed
 @needs_slurm
 @pytest.mark.slow
 def test_slurm_train_sh_hands_cpus_per_task_to_srun(tmp_path):
@@ -164,7 +170,7 @@ def test_slurm_train_sh_hands_cpus_per_task_to_srun(tmp_path):
     cmd += [f"--output={tmp_path}/slurm-%j.out", "tools/slurm_train.sh"]
     cmd += ["--dry-run", *TINY, "OUT_DIR", str(tmp_path / "out")]
     try:
-        result = run(cmd, timeout=150, env={"PYTHON": str(python)})
+        result = run_command(cmd, timeout=150, env={"PYTHON": str(python)})
     finally:
         subprocess.run(["scancel", f"--name={name}"], timeout=30, check=False)
     logs = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import (
+from helpers import (
     FAST,
     TINY,
     TINY_VAL_SIZE,
@@ -23,7 +23,7 @@ from conftest import (
     process_table,
     read_metrics,
     read_text,
-    run,
+    run_command,
     start,
     train_net,
 )
@@ -55,6 +55,7 @@ def _wait_for(path: str, text: str, proc: subprocess.Popen, seconds: float) -> N
     raise AssertionError(f"{text!r} did not appear in {path}")
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_num_procs_spawns_a_real_process_group(tmp_path):
     result = train_net("--num-procs", "2", *TINY, "OUT_DIR", str(tmp_path))
@@ -91,7 +92,10 @@ def test_num_procs_worker_failure_exits_nonzero_without_orphans(tmp_path):
     assert proc.returncode == 1
     assert err.strip().splitlines()[-1].startswith("error: ")
     assert "SIGKILL" in err
-    time.sleep(1)
+    # The other worker is stopped by the parent; give it a moment to go.
+    deadline = time.monotonic() + 30
+    while _session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _session_processes(proc.pid) == []
 
 
@@ -135,7 +139,7 @@ def _join_alone(rank: int, port: int, out_dir) -> subprocess.CompletedProcess:
            "MASTER_PORT": str(port)}  # fmt: skip
     cmd = [sys.executable, TRAIN_NET, *TINY, "DIST.INIT_TIMEOUT", "5",
            "OUT_DIR", str(out_dir)]  # fmt: skip
-    return run(cmd, env=env, timeout=120)
+    return run_command(cmd, env=env, timeout=120)
 
 
 @pytest.mark.slow
@@ -209,10 +213,11 @@ def test_data_parallel_mode_falls_back_to_one_device(tmp_path):
     assert val["samples"] == TINY_VAL_SIZE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["--num-procs", "0"], ["--num-procs", "2"]])
 def test_num_procs_misuse(tmp_path, args):
     env = {"RANK": "0", "WORLD_SIZE": "1"} if args[1] == "2" else {}
-    result = run(
+    result = run_command(
         [sys.executable, TRAIN_NET, *args, "OUT_DIR", str(tmp_path)],
         env=env,
         timeout=60,

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 500

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_ok, opts, read_metrics, read_text, train_net
+from helpers import assert_ok, read_metrics, read_text, train_net
 
 from distribuuuu.config import get_cfg, load_cfg
 from distribuuuu.logger import setup_logging
@@ -118,14 +118,42 @@ def test_mixing_depends_on_its_seed_only_and_leaves_the_rng_alone():
 
 # Tiny in-process runs: 96 synthetic images, batches of 8, a checkpoint every 3
 # steps, every recipe of the training half on.
-_RECIPE = opts(
-    "MODEL.ARCH lenet5 MODEL.DUMMY_INPUT True DATA.SYNTHETIC_SIZE [96,16] "
-    "TRAIN.IM_SIZE 28 TEST.IM_SIZE 28 TRAIN.BATCH_SIZE 8 OPTIM.MAX_EPOCH 1 "
-    "CHECKPOINT.PERIOD_ITERS 3 CHECKPOINT.KEEP 0 TRAIN.PRINT_FREQ 4 "
-    "TRAIN.MIXUP_ALPHA 0.2 TRAIN.CUTMIX_ALPHA 1.0 TRAIN.MIX_PROB 0.8 "
-    "TRAIN.LABEL_SMOOTHING 0.1 DATA.AUTO_AUGMENT randaugment "
-    "DATA.RANDOM_ERASING 0.5 DATA.REPEATED_AUG 2"
-)
+_RECIPE = [
+    "MODEL.ARCH",
+    "lenet5",
+    "MODEL.DUMMY_INPUT",
+    "True",
+    "DATA.SYNTHETIC_SIZE",
+    "[96,16]",
+    "TRAIN.IM_SIZE",
+    "28",
+    "TEST.IM_SIZE",
+    "28",
+    "TRAIN.BATCH_SIZE",
+    "8",
+    "OPTIM.MAX_EPOCH",
+    "1",
+    "CHECKPOINT.PERIOD_ITERS",
+    "3",
+    "CHECKPOINT.KEEP",
+    "0",
+    "TRAIN.PRINT_FREQ",
+    "4",
+    "TRAIN.MIXUP_ALPHA",
+    "0.2",
+    "TRAIN.CUTMIX_ALPHA",
+    "1.0",
+    "TRAIN.MIX_PROB",
+    "0.8",
+    "TRAIN.LABEL_SMOOTHING",
+    "0.1",
+    "DATA.AUTO_AUGMENT",
+    "randaugment",
+    "DATA.RANDOM_ERASING",
+    "0.5",
+    "DATA.REPEATED_AUG",
+    "2",
+]
 
 
 def _train_in_process(out_dir: str, *opts: str) -> dict:
@@ -157,14 +185,22 @@ def test_resume_with_mixing_is_bitwise_identical_for_any_worker_count(tmp_path):
     assert any(not torch.equal(unmixed[key], expected[key]) for key in expected)
 
 
+@pytest.mark.slow
 def test_mixup_cutmix_run_trains_and_evaluates(tmp_path):
     out = str(tmp_path)
     args = [
-        *opts("MODEL.ARCH resnet8 OPTIM.MAX_EPOCH 1 TRAIN.PRINT_FREQ 10"),
-        *opts("TRAIN.MIXUP_ALPHA 0.2 TRAIN.CUTMIX_ALPHA 1.0 TRAIN.LABEL_SMOOTHING 0.1"),
-        *opts("DATA.AUTO_AUGMENT trivialaugment DATA.RANDOM_ERASING 0.25"),
-        *opts("DATA.REPEATED_AUG 3 DATA.NAME synthetic"),
-        *opts("DATA.SYNTHETIC_SIZE [640,100] OUT_DIR"),
+        *["MODEL.ARCH", "resnet8", "OPTIM.MAX_EPOCH", "1", "TRAIN.PRINT_FREQ", "10"],
+        *[
+            "TRAIN.MIXUP_ALPHA",
+            "0.2",
+            "TRAIN.CUTMIX_ALPHA",
+            "1.0",
+            "TRAIN.LABEL_SMOOTHING",
+            "0.1",
+        ],
+        *["DATA.AUTO_AUGMENT", "trivialaugment", "DATA.RANDOM_ERASING", "0.25"],
+        *["DATA.REPEATED_AUG", "3", "DATA.NAME", "synthetic"],
+        *["DATA.SYNTHETIC_SIZE", "[640,100]", "OUT_DIR"],
         out,
     ]
     assert_ok(train_net(*args))

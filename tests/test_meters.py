@@ -7,7 +7,7 @@ import logging
 from types import SimpleNamespace
 
 import torch
-from conftest import opts, read_metrics
+from helpers import read_metrics
 from torch import nn
 
 from distribuuuu import evaluation, trainer
@@ -126,11 +126,24 @@ def test_each_epoch_logs_the_peaks_of_its_training_and_evaluation(
 
     monkeypatch.setattr(trainer, "train_epoch", train_epoch_on_gpus)
     monkeypatch.setattr(evaluation, "evaluate", evaluate_on_gpus)
-    recipe = opts(
-        "MODEL.ARCH lenet5 MODEL.DUMMY_INPUT True DATA.SYNTHETIC_SIZE [16,8] "
-        "TRAIN.IM_SIZE 28 TEST.IM_SIZE 28 TRAIN.BATCH_SIZE 8 OPTIM.MAX_EPOCH 2 "
-        "MODEL.EMA True"
-    )
+    recipe = [
+        "MODEL.ARCH",
+        "lenet5",
+        "MODEL.DUMMY_INPUT",
+        "True",
+        "DATA.SYNTHETIC_SIZE",
+        "[16,8]",
+        "TRAIN.IM_SIZE",
+        "28",
+        "TEST.IM_SIZE",
+        "28",
+        "TRAIN.BATCH_SIZE",
+        "8",
+        "OPTIM.MAX_EPOCH",
+        "2",
+        "MODEL.EMA",
+        "True",
+    ]
     try:
         trainer.train_model(load_cfg(None, [*recipe, "OUT_DIR", str(tmp_path)]))
     finally:

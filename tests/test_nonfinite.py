@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, assert_ok, read_text, torchrun, train_net
-from distributed_utils import run_on_ranks
+from helpers import TINY, assert_ok, read_text, run_on_ranks, torchrun, train_net
 from test_hostile import assert_one_error_line, run_hostile
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -89,6 +88,7 @@ def _check_shards(rank: int, world: int) -> tuple[bool, bool]:
     return before, all_finite(model.parameters())
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_all_finite_agrees_over_ranks_when_one_shard_is_nan(tmp_path):
     results = run_on_ranks(2, _check_shards, (), str(tmp_path))
@@ -203,6 +203,7 @@ def test_nonfinite_weights_are_not_written_as_a_periodic_checkpoint(tmp_path):
     assert read_text(out, "checkpoints", "last").strip() == "ckpt_ep_0000_it_0001.pth"
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "extra", "words"),

@@ -13,7 +13,7 @@ import os
 import shutil
 
 import pytest
-from conftest import REPO, assert_ok, read_metrics, train_net
+from helpers import REPO, assert_ok, read_metrics, train_net
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "checkpoints_5f701c2")
 

@@ -9,8 +9,14 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_ok, opts, read_metrics, strategy_for, torchrun, train_net
-from distributed_utils import run_on_ranks
+from helpers import (
+    assert_ok,
+    read_metrics,
+    run_on_ranks,
+    strategy_for,
+    torchrun,
+    train_net,
+)
 from torch import nn
 
 from distribuuuu.inference import read_checkpoint
@@ -122,6 +128,7 @@ def _resume(out: str, ranks: int, epochs: int, *args: str) -> None:
     assert "resumed from" in result.stdout
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_zero1_checkpoints_resume_on_2_and_on_1_process(tmp_path):
     out = str(tmp_path)
@@ -142,16 +149,23 @@ def test_zero1_checkpoints_resume_on_2_and_on_1_process(tmp_path):
     assert all(r["train_samples"] == 96 for r in val)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_checkpoints_resume_on_2_reshard_on_3_and_resume_on_1(tmp_path):
     """Sharded (DCP) checkpoints of FSDP with host offload, activation
     checkpointing and bf16: saved on 2 ranks, resumed on 2, then on 3, then on
     one plain process."""
     out = str(tmp_path)
-    fsdp = opts(
-        "DIST.STRATEGY fsdp DIST.FSDP_CPU_OFFLOAD True MODEL.ACT_CKPT True "
-        "TRAIN.MIXED_PRECISION bf16"
-    )
+    fsdp = [
+        "DIST.STRATEGY",
+        "fsdp",
+        "DIST.FSDP_CPU_OFFLOAD",
+        "True",
+        "MODEL.ACT_CKPT",
+        "True",
+        "TRAIN.MIXED_PRECISION",
+        "bf16",
+    ]
     first = torchrun(2, *SMALL, *fsdp, "OPTIM.MAX_EPOCH", "1", "OUT_DIR", out)
     assert_ok(first)
     assert "parameters and gradients kept in host memory" in first.stdout
@@ -175,6 +189,7 @@ def test_fsdp_checkpoints_resume_on_2_reshard_on_3_and_resume_on_1(tmp_path):
     assert all(whole.weights[k].shape == v.shape for k, v in expected.items())
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_sharded_strategies_report_less_peak_memory_than_ddp(tmp_path):
     """AlexNet (61 M parameters): its SGD momentum is 244 MB on every DDP rank

@@ -12,13 +12,13 @@ import time
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     TRAIN_NET,
     assert_ok,
     kill_session,
     process_table,
     read_text,
-    run,
+    run_command,
     start,
     torchrun,
 )
@@ -81,6 +81,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slurm
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.skipif(bool(_slurm_ready()), reason=_slurm_ready() or "ok")
 def test_sigusr1_under_srun_kill_on_bad_exit_keeps_the_checkpoint(tmp_path):
@@ -99,10 +101,10 @@ def test_sigusr1_under_srun_kill_on_bad_exit_keeps_the_checkpoint(tmp_path):
         _wait_for_text(os.path.join(out, "log.txt"), "train ep 1/1 it 2/", proc)
         tasks = _slurm_tasks(out)
         assert sorted(tasks) == [0, 1], tasks
-        squeue = run(["squeue", "-h", "-n", job_name, "-o", "%i"], timeout=30)
+        squeue = run_command(["squeue", "-h", "-n", job_name, "-o", "%i"], timeout=30)
         job = squeue.stdout.strip()
         assert job.isdigit(), squeue
-        assert run(["scancel", "-s", "USR1", job], timeout=30).returncode == 0
+        assert run_command(["scancel", "-s", "USR1", job], timeout=30).returncode == 0
         signalled = time.time()
         # What `last` said when each task was seen gone, and when the save ran.
         last_at_exit: dict[int, str] = {}
@@ -124,7 +126,7 @@ def test_sigusr1_under_srun_kill_on_bad_exit_keeps_the_checkpoint(tmp_path):
         _, err = proc.communicate(timeout=60)
     finally:
         if job:
-            run(["scancel", job], timeout=30)
+            run_command(["scancel", job], timeout=30)
         kill_session(proc)
     name = read_text(checkpoints, "last").strip()
     path = os.path.join(checkpoints, name)
@@ -149,6 +151,7 @@ def _model(path: str) -> dict:
     return torch.load(path, weights_only=True)["model"]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_and_ends_bitwise_identical(tmp_path):
     """torchrun --max-restarts=1: SIGKILL rank 0 after the first mid-epoch
@@ -188,6 +191,7 @@ def test_torchrun_restarts_a_killed_worker_and_ends_bitwise_identical(tmp_path):
             assert torch.equal(expected[key], actual[key]), f"{name}: {key} differs"
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_a_failed_save_on_rank_0_stops_every_rank_naming_it(tmp_path):
     """Rank 0 cannot write its checkpoint (a file named ``checkpoints`` is in

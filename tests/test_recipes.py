@@ -12,7 +12,7 @@ import glob
 import os
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from distribuuuu import trainer
 from distribuuuu.config import load_cfg
@@ -58,5 +58,9 @@ def test_recipe_trains_one_step_and_evaluates(path, tmp_path):
     # One evaluation batch, every image counted. (Its loss is not checked: one
     # step on 1-2 images leaves BatchNorm statistics that can overflow it.)
     assert stats["samples"] == cfg.TEST.BATCH_SIZE
-    assert stats["train_step_s"] > 0 and 0 <= stats["top1"] <= 100
+    assert stats["train_step_s"] > 0 and stats["peak_mem_mb"] > 0
+    # Accuracies are counts of images: top-1 is k of the batch, top-k at least k.
+    correct = stats["top1"] * stats["samples"] / 100
+    assert correct == pytest.approx(round(correct), abs=1e-6)
+    assert stats["topk"] >= stats["top1"]
     assert not os.path.exists(out_dir)  # a dry run writes nothing

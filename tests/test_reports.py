@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     REPO,
     TRAIN_NET,
     assert_ok,
@@ -72,6 +72,7 @@ def run_in_terminal(args: list[str], timeout: float = 120) -> tuple[int, str]:
     return code, b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_terminal_shows_a_live_bar_with_eta(tmp_path):
     one_epoch = ["OPTIM.MAX_EPOCH", "1"]
     code, output = run_in_terminal([*SMALL, *one_epoch, "OUT_DIR", str(tmp_path)])
@@ -148,6 +149,7 @@ def test_tensorboard_holds_hparams_per_class_confusion_and_images(piped_run):
     assert all(len(r["peak_mem_mb"]) == 1 and r["peak_mem_mb"][0] > 0 for r in val)
 
 
+@pytest.mark.slow
 def test_eval_only_writes_per_class_results(piped_run):
     out_dir, _ = piped_run
     result = train_net("--eval-only", *SMALL, "OUT_DIR", out_dir)
@@ -168,6 +170,7 @@ def test_eval_only_writes_per_class_results(piped_run):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_dry_run_checks_every_rank_and_writes_nothing(tmp_path):
     out_dir = tmp_path / "never"

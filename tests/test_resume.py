@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     FAST,
     TRAIN_NET,
     assert_ok,
@@ -72,7 +72,10 @@ def _kill_mid_run(
     seeded by the arguments, so a failure repeats); check that checkpoint
     ``before`` was not reached."""
     proc = start(_command(nproc, args))
-    pause = random.Random(f"{nproc} {pattern}").uniform(0.0, delay)
+    seed = f"{nproc} {pattern}"
+    pause = random.Random(seed).uniform(0.0, delay)
+    # Shown with a failure's output, so that the moment can be replayed.
+    print(f"SIGKILL {pause:.3f} s after {pattern} (random.Random({seed!r}))")
     try:
         _wait_for_file(os.path.join(out, "checkpoints", pattern), proc)
         time.sleep(pause)
@@ -141,6 +144,7 @@ def _worker_pid(torchrun_pid: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} worker found under {torchrun_pid}")
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_sigusr1_to_one_rank_stops_all_at_a_step_with_a_checkpoint(tmp_path):
     out = str(tmp_path)
@@ -173,6 +177,7 @@ def test_sigusr1_to_one_rank_stops_all_at_a_step_with_a_checkpoint(tmp_path):
     assert val[0]["train_samples"] == read_metrics(out, "val")[1]["train_samples"]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_resume_on_2_then_1_then_3_processes(tmp_path):
     out = str(tmp_path)
@@ -199,6 +204,7 @@ def test_resume_on_2_then_1_then_3_processes(tmp_path):
     assert geometry == (3, 24, 8)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_resume_keeping_the_per_process_batch_scales_the_lr(tmp_path):
     out = str(tmp_path)

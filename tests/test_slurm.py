@@ -13,7 +13,15 @@ import time
 
 import pytest
 import torch
-from conftest import FAST, TRAIN_NET, assert_ok, read_metrics, read_text, run, train_net
+from helpers import (
+    FAST,
+    TRAIN_NET,
+    assert_ok,
+    read_metrics,
+    read_text,
+    run_command,
+    train_net,
+)
 
 from distribuuuu.models import build_model
 
@@ -42,6 +50,8 @@ def _sbatch(option: str, log_dir, *args: str) -> list[str]:
             "tools/slurm_train.sh", *args]  # fmt: skip
 
 
+@pytest.mark.slurm
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_srun_three_tasks_evaluate_like_one_process(tmp_path):
     """srun -O: 3 tasks on the 2-CPU node; the weights need not be trained."""
@@ -63,7 +73,7 @@ def test_srun_three_tasks_evaluate_like_one_process(tmp_path):
         "OUT_DIR",
         multi,
     ]
-    assert_ok(run(cmd, timeout=300))
+    assert_ok(run_command(cmd, timeout=300))
     (one,), (three,) = read_metrics(single, "val"), read_metrics(multi, "val")
     assert three["world_size"] == 3 and one["world_size"] == 1
     assert three["samples"] == one["samples"] == 1000
@@ -71,6 +81,8 @@ def test_srun_three_tasks_evaluate_like_one_process(tmp_path):
     assert three["loss"] == pytest.approx(one["loss"], rel=1e-6)
 
 
+@pytest.mark.slurm
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_sbatch_job_signalled_with_usr1_requeues_itself_and_finishes(tmp_path):
     """The ready script under sbatch: 2 tasks train, SIGUSR1 (what Slurm sends
@@ -79,7 +91,7 @@ def test_sbatch_job_signalled_with_usr1_requeues_itself_and_finishes(tmp_path):
     out = tmp_path / "run"
     args = [*FAST, "OPTIM.MAX_EPOCH", "2", "DIST.REQUEUE", "True", "OUT_DIR", str(out)]
     cmd = _sbatch("--parsable", tmp_path, *args)
-    submitted = run(cmd, timeout=60, env={"PYTHON": sys.executable})
+    submitted = run_command(cmd, timeout=60, env={"PYTHON": sys.executable})
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
     try:
@@ -89,7 +101,9 @@ def test_sbatch_job_signalled_with_usr1_requeues_itself_and_finishes(tmp_path):
             log.exists() and "train ep 1/2 it 20/" in log.read_text()
         ):
             time.sleep(0.2)
-        assert run(["scancel", "--signal=USR1", job], timeout=30).returncode == 0
+        assert (
+            run_command(["scancel", "--signal=USR1", job], timeout=30).returncode == 0
+        )
         # The requeued job starts again ~12 s later (slurm_local.sh shortens
         # Slurm's cred_expire and scheduling interval; forcing StartTime=now
         # instead gets it killed: "Job credential revoked").
@@ -101,11 +115,12 @@ def test_sbatch_job_signalled_with_usr1_requeues_itself_and_finishes(tmp_path):
             time.sleep(0.5)
         while (
             time.time() < deadline
-            and job in run(["squeue", "-h", "-o", "%i"], timeout=30).stdout.split()
+            and job
+            in run_command(["squeue", "-h", "-o", "%i"], timeout=30).stdout.split()
         ):
             time.sleep(0.5)
     finally:
-        run(["scancel", job], timeout=30)
+        run_command(["scancel", job], timeout=30)
     text = log.read_text()
     assert "launch: slurm, rank 0 of 2" in text
     assert "stopped by SIGUSR1 after saving a checkpoint" in text

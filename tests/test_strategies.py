@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import strategy_for
+from helpers import strategy_for
 
 from distribuuuu.config import STRATEGIES as CONFIG_CHOICES
 from distribuuuu.config import load_cfg

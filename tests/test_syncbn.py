@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import strategy_for
-from distributed_utils import run_on_ranks
+from helpers import run_on_ranks, strategy_for
 from torch import nn
 
 from distribuuuu.syncbn import GroupSyncBatchNorm
@@ -44,6 +43,7 @@ def _syncbn_rank(rank: int, world: int) -> dict:
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_syncbn_matches_batchnorm_over_the_global_batch(tmp_path, world):
@@ -138,6 +138,7 @@ def _ddp_rank(rank: int, world: int, per_step) -> dict:
     return _train(model, _global_batches(per_step), rank)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "world, per_step",

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import FAST, REPO, assert_ok, read_metrics, run, train_net
+from helpers import FAST, REPO, assert_ok, read_metrics, run_command, train_net
 from PIL import Image
 
 from distribuuuu import export as exporting
@@ -43,7 +43,9 @@ DIGITS = range(6)  # the classes of the images that predict.py is given
 
 def tool(name: str, *args: str):
     """``python tools/NAME ARGS`` as a user runs it."""
-    return run([sys.executable, os.path.join(REPO, "tools", name), *args], timeout=120)
+    return run_command(
+        [sys.executable, os.path.join(REPO, "tools", name), *args], timeout=120
+    )
 
 
 def error_line(capsys) -> str:
@@ -75,6 +77,7 @@ def reference(path: Path):
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.slow
 def test_inspect_training_checkpoint(trained: Path):
     path = trained / "checkpoints" / "ckpt_ep_0000_it_0100.pth"
     result = tool("inspect_ckpt.py", str(path))
@@ -167,6 +170,7 @@ def test_inspect_rejects_bad_files(tmp_path: Path, capsys):
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
 def test_export_trained_checkpoint(trained: Path, tmp_path: Path):
     weights = trained / "checkpoints" / "ckpt_ep_0001.pth"
@@ -271,6 +275,7 @@ def digit_files(trained: Path, tmp_path_factory) -> dict[str, tuple[int, torch.T
     return files
 
 
+@pytest.mark.slow
 def test_predict_prints_the_right_labels(trained: Path, digit_files: dict):
     folder = os.path.commonpath(list(digit_files))
     weights = str(trained / "best.pth")

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import (
+from helpers import (
     FAST,
     REPO,
     TINY,
@@ -18,7 +18,7 @@ from conftest import (
     free_port,
     read_metrics,
     read_text,
-    run,
+    run_command,
     torchrun,
     train_net,
 )
@@ -72,6 +72,7 @@ def test_eval_only_prints_top1_of_the_best_weights(reference_run):
     assert "samples 1000" in result.stdout
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_torchrun_counts_every_validation_sample_once(tmp_path):
     """3 ranks (2 ranks: test_deprecated_launcher)."""
@@ -102,11 +103,12 @@ def test_deprecated_launcher(tmp_path):
         "OUT_DIR",
         str(tmp_path),
     ]
-    assert_ok(run(cmd))
+    assert_ok(run_command(cmd))
     (val,) = read_metrics(str(tmp_path), "val")
     assert val["world_size"] == 2 and val["samples"] == TINY_VAL_SIZE
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_original_override_line_with_syncbn_on_cpu(tmp_path):
     result = torchrun(
@@ -157,7 +159,8 @@ def test_local_rank_argument_forms():
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "distribuuuu-train")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(CONSOLE_SCRIPT), reason="not pip-installed")
 def test_console_script_is_the_same_entry():
-    result = run([CONSOLE_SCRIPT, "OPTIM.BASE_LR", "fast"], timeout=120)
+    result = run_command([CONSOLE_SCRIPT, "OPTIM.BASE_LR", "fast"], timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: OPTIM.BASE_LR")

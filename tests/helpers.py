@@ -1,0 +1,239 @@
+"""What the tests share: the real entry point run in a subprocess (always
+reaped), real gloo ranks in spawned processes, the run options every test
+uses, and readers of what a run writes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distribuuuu.launch import find_free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_NET = os.path.join(REPO, "tools", "train_net.py")
+# A small, fast run of the embedded data set (seconds per epoch on 2 cores).
+FAST = ["MODEL.ARCH", "resnet8", "TRAIN.PRINT_FREQ", "20"]
+# One epoch of LeNet-5 on 256 synthetic images, validated on 101 (divisible by
+# neither 2 nor 3): for tests of how a job starts, where the data do not matter.
+TINY = [
+    "MODEL.ARCH",
+    "lenet5",
+    "DATA.NAME",
+    "synthetic",
+    "DATA.SYNTHETIC_SIZE",
+    "[256,101]",
+    "TRAIN.BATCH_SIZE",
+    "32",
+    "OPTIM.MAX_EPOCH",
+    "1",
+    "TRAIN.PRINT_FREQ",
+    "2",
+]
+TINY_VAL_SIZE = 101
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    return find_free_port()
+
+
+def run_command(
+    cmd: list[str], timeout: float = 300, env: dict | None = None, **kwargs
+):
+    """Run ``cmd`` in its own process group; kill the whole group on time-out."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(
+        cmd,
+        cwd=kwargs.pop("cwd", REPO),
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {cmd}\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        # reap anything the command left behind in its group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _default_sigint() -> None:
+    # A shell without job control starts background commands with SIGINT
+    # ignored, and the ignoring is inherited (CI run with `&`): the command
+    # then gets Ctrl-C as a terminal would deliver it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    """Start ``cmd`` in a new session, with SIGINT's default action; stop it
+    with :func:`kill_session`."""
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+    )
+
+
+def process_table() -> list[tuple[int, int, int, str]]:
+    """(pid, parent pid, session id, state) of every process, from /proc."""
+    table = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            table.append((int(entry), int(fields[1]), int(fields[3]), fields[0]))
+    return table
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process started by ``pid``, directly or not."""
+    children: dict[int, list[int]] = {}
+    for child, parent, _, _ in process_table():
+        children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every descendant.
+
+    torchrun starts its workers in sessions of their own, so killing the
+    launcher's group alone would leave them running.
+    """
+    for target in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and all it started, and reap ``proc``."""
+    kill_tree(proc.pid)
+    proc.communicate()
+
+
+def train_net(*args: str, timeout: float = 300, env: dict | None = None):
+    """``python tools/train_net.py ARGS`` as a user would run it."""
+    return run_command([sys.executable, TRAIN_NET, *args], timeout=timeout, env=env)
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 300):
+    """``torchrun --standalone --nproc_per_node=N tools/train_net.py ARGS``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", TRAIN_NET, *args]
+    return run_command(cmd, timeout=timeout)
+
+
+def import_train_net():
+    """tools/train_net.py imported as a module."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        import train_net as module
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def call_main(*args: str) -> subprocess.CompletedProcess:
+    """``main(ARGS)`` of tools/train_net.py in this process.
+
+    For input refused before anything runs (exit 2) it answers what the command
+    answers, without the seconds of a new interpreter importing torch;
+    test_hostile.py::test_debug_adds_the_traceback runs the command itself.
+    """
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = import_train_net().main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def read_text(*parts: str) -> str:
+    """The text of the file at ``os.path.join(*parts)``."""
+    with open(os.path.join(*parts), encoding="utf-8") as f:
+        return f.read()
+
+
+def read_metrics(out_dir: str, split: str | None = None) -> list[dict]:
+    """The records of ``OUT_DIR/metrics.jsonl`` (of one split if given)."""
+    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    return [r for r in records if split is None or r.get("split") == split]
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    """Fail with the command's output when it did not exit 0."""
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
+        f"\n--- stderr\n{result.stderr[-4000:]}"
+    )
+
+
+def strategy_for(name: str, syncbn: bool = False, device="cpu", amp_dtype=None, **keys):
+    """The strategy ``DIST.STRATEGY name`` of the default config on ``device``
+    (``keys``: more DIST values, e.g. ``FSDP_CPU_OFFLOAD=True``)."""
+    from distribuuuu.config import get_cfg
+    from distribuuuu.strategies import build_strategy
+
+    cfg = get_cfg()
+    cfg.DIST.STRATEGY, cfg.MODEL.SYNCBN = name, syncbn
+    for key, value in keys.items():
+        setattr(cfg.DIST, key, value)
+    return build_strategy(cfg, torch.device(device), amp_dtype)
+
+
+def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(world: int, fn, args: tuple, out_dir: str) -> list:
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks; their results in order."""
+    os.makedirs(out_dir, exist_ok=True)
+    mp.start_processes(
+        _entry,
+        args=(world, free_port(), fn, args, str(out_dir)),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
+    return [
+        torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True)
+        for r in range(world)
+    ]
