@@ -1,6 +1,6 @@
 """Launch detection, process-group set-up and helpers that work in one process.
 
-Detection (first match wins), as in ARCHITECTURE.md:
+Detection (first match wins; README.md, section Launching):
 
 * ``SLURM_PROCID`` set and no ``RANK``: a Slurm task started by ``srun``; rank,
   world size and local rank come from ``SLURM_PROCID``, ``SLURM_NTASKS``,
