@@ -59,6 +59,7 @@ class EvalSpec:
     amp_dtype: torch.dtype | None = None  # autocast dtype; None = full precision
     max_iters: int | None = None  # stop early (a check, not an evaluation)
     collective: bool = False  # every forward is a collective (sharded weights)
+    counted: bool = True  # this process's forward passes return logits to count
 
     @classmethod
     def of(cls, cfg: CfgNode, device, normalize, amp_dtype=None, **more) -> EvalSpec:
@@ -67,6 +68,14 @@ class EvalSpec:
         topk = min(cfg.TRAIN.TOPK, classes)
         return cls(device, normalize, topk, classes, cfg.TEST.PRINT_FREQ,
                    amp_dtype, **more)  # fmt: skip
+
+
+def strategy_eval(strategy, model: nn.Module) -> dict:
+    """The EvalSpec fields that ``strategy`` decides for its ``model``."""
+    return {
+        "collective": strategy.forward_is_collective(model),
+        "counted": strategy.holds_outputs(model),
+    }
 
 
 @torch.no_grad()
@@ -94,9 +103,11 @@ def evaluate(
         targets = targets.to(device, non_blocking=True)
         with autocast(device, spec.amp_dtype):
             logits = model(images)
-            loss_sum = F.cross_entropy(logits, targets, reduction="sum")
-        sums.update(loss_sum, logits, targets)
-        confusion.update(logits, targets)
+            if spec.counted:
+                loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+        if spec.counted:
+            sums.update(loss_sum, logits, targets)
+            confusion.update(logits, targets)
         if live:
             bar = progress_bar(it + 1, iters)
             set_status(f"val {bar} {it + 1}/{iters}", force=it == 0)
@@ -146,9 +157,8 @@ def evaluate_epoch(
     memory.reset()  # the evaluation's own peak (precise BN included)
     if cfg.TRAIN.PRECISE_BN:
         recompute_bn(cfg, state, train_loader)
-    collective = strategy.forward_is_collective(state.model)
     spec = EvalSpec.of(cfg, state.device, state.normalize, state.amp_dtype,
-                       collective=collective)  # fmt: skip
+                       **strategy_eval(strategy, state.model))  # fmt: skip
     stats, confusion = evaluate(strategy.eval_model(state.model), val_loader, spec)
     stats["train_samples"] = trained
     eval_peak = memory.read()

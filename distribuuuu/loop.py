@@ -91,8 +91,9 @@ def micro_batches(
     (seeded by the micro-batch's place in the epoch's global order).
     """
     progress, plan, device = state.progress, state.plan, state.device
-    # Micro-batch m of this rank starts at global position first + m * stride.
-    first, stride = progress.consumed + du.get_rank(), plan.per_rank * plan.world_size
+    # Micro-batch m of this replica starts at global position first + m * stride.
+    replica = state.strategy.data_parallel()[0]
+    first, stride = progress.consumed + replica, plan.per_rank * plan.world_size
     for micro in range(plan.accum):
         tic = time.perf_counter()
         images, targets = next(batches)

@@ -92,6 +92,20 @@ def check_launch(cfg: CfgNode, num_procs: int = 1) -> None:
         raise ConfigError(str(error)) from error
 
 
+def check_layout(cfg: CfgNode, world_size: int) -> None:
+    """Refuse a way of spreading the model that cannot work on ``world_size``
+    processes (a pipeline that cannot be cut as asked); raise ConfigError."""
+    from distribuuuu.strategies import strategy_class
+
+    def skeleton() -> nn.Module:
+        return _model_skeleton(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES)
+
+    try:
+        strategy_class(cfg).check_layout(cfg, world_size, skeleton)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
 # Training images of the data sets of a fixed size.
 _TRAIN_IMAGES = {"mnist5k": 4000, "cifar10": 50_000, "cifar100": 50_000}
 
@@ -176,7 +190,10 @@ def check_inputs(
         if cfg.TRAIN.AUTO_RESUME:
             check_resume(cfg.OUT_DIR)
         if not (checkpoints and cfg.TRAIN.AUTO_RESUME):
-            check_batch_fits(cfg, world_size)
+            from distribuuuu.strategies import strategy_class
+
+            replicas = strategy_class(cfg).replicas(cfg, world_size)
+            check_batch_fits(cfg, replicas)
     check_out_dir(cfg.OUT_DIR, keep_out_dir)
 
 

@@ -72,6 +72,14 @@ def model_size(model: torch.nn.Module) -> dict:
     return {"parameters": params, "size_mb": size / 2**20}
 
 
+def parameter_mb(model: torch.nn.Module) -> float:
+    """MiB of parameters this process stores (its shards of sharded ones)."""
+    from torch.distributed.tensor import DTensor
+
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return sum(p.numel() * p.element_size() for p in local) / 2**20
+
+
 def _count(value: float) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if value >= scale:
@@ -101,6 +109,10 @@ def format_startup(report: dict) -> str:
     comm = ""
     if "backend" in world:
         comm = f", backend {world['backend']}, master {world['master']}"
+    # The processes of a pipeline share their batches: one data-parallel replica.
+    replica, many = ("process", "process(es)")
+    if batch["world_size"] != world["world_size"]:
+        replica, many = "replica", "replica(s)"
     classes = data["class_names"]
     shown = ", ".join(classes[:10]) + (", ..." if len(classes) > 10 else "")
     lines = [
@@ -114,8 +126,10 @@ def format_startup(report: dict) -> str:
         f"{data['val_images']} val images, {len(classes)} classes ({shown})",
         f"  model: {model['arch']}, {_count(model['parameters'])} parameters, "
         f"{model['size_mb']:.2f} MiB; SyncBN {'on' if model['syncbn'] else 'off'}",
-        f"  batch: {batch['per_rank']} per process x {batch['accum']} accumulation "
-        f"step(s) x {batch['world_size']} process(es) = global batch "
+        f"  memory: {report['memory']['parameters_mb']:.2f} MiB of parameters on "
+        "the fullest process (gradients as much, optimizer state by OPTIM)",
+        f"  batch: {batch['per_rank']} per {replica} x {batch['accum']} "
+        f"accumulation step(s) x {batch['world_size']} {many} = global batch "
         f"{batch['global']}; LR {report['lr']:.5g} ({report['lr_policy']}); "
         f"strategy {report['strategy']}; precision {report['precision']}; "
         f"seed {report['seed']}",

@@ -232,7 +232,8 @@ class SavedRun:
 
     @property
     def optimizer_state(self) -> dict:
-        return self.state[OPTIMIZER]
+        """The optimizer state with its groups as lists (as torch keeps them)."""
+        return grouped_by_list(self.state[OPTIMIZER])
 
     @property
     def has_ema(self) -> bool:
@@ -245,6 +246,37 @@ class SavedRun:
     @property
     def ema_counters(self) -> dict:
         return self.state[EMA_COUNTERS]
+
+
+# The key of an optimizer state's hyper-parameters by parameter name: where the
+# ranks hold different parameters (pipeline stages), the list of groups that
+# torch keeps differs between ranks and cannot be one sharded entry.
+GROUPS_BY_NAME = "param_groups_by_name"
+
+
+def grouped_by_name(state: dict) -> dict:
+    """An optimizer state keyed by parameter name with its groups spread out:
+    ``{name: hyper-parameters}`` instead of the list of groups."""
+    by_name = {}
+    for group in state["param_groups"]:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        by_name.update({name: dict(hyper) for name in group["params"]})
+    return {"state": state["state"], GROUPS_BY_NAME: by_name}
+
+
+def grouped_by_list(state: dict) -> dict:
+    """The inverse of :func:`grouped_by_name` (a state in torch's form as is):
+    parameters with equal hyper-parameters form one group, in order."""
+    if GROUPS_BY_NAME not in state:
+        return state
+    groups: list[dict] = []
+    for name, hyper in state[GROUPS_BY_NAME].items():
+        same = [g for g in groups if {**g, "params": None} == {**hyper, "params": None}]
+        if same:
+            same[0]["params"].append(name)
+        else:
+            groups.append({**hyper, "params": [name]})
+    return {"state": state["state"], "param_groups": groups}
 
 
 def is_sharded_checkpoint(state: Any) -> bool:

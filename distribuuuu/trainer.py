@@ -29,7 +29,7 @@ from distribuuuu.data import (
     build_train_loader,
 )
 from distribuuuu.ema import ModelEma
-from distribuuuu.evaluation import EvalSpec, evaluate, evaluate_epoch
+from distribuuuu.evaluation import EvalSpec, evaluate, evaluate_epoch, strategy_eval
 from distribuuuu.logger import MetricsWriter
 from distribuuuu.loop import StopRequest, train_epoch
 from distribuuuu.meters import PeakMemory
@@ -90,9 +90,8 @@ def dry_run(cfg: CfgNode) -> dict:
         train_epoch(state, train_loader, cfg, after_step=lambda: True)
         stepped = time.perf_counter()
         strategy, model = state.strategy, state.model
-        collective = strategy.forward_is_collective(model)
         spec = EvalSpec.of(cfg, device, state.normalize, state.amp_dtype,
-                           max_iters=1, collective=collective)  # fmt: skip
+                           max_iters=1, **strategy_eval(strategy, model))  # fmt: skip
         stats, _ = evaluate(strategy.eval_model(model), val_loader, spec)
         done = time.perf_counter()
         # Nothing was reset: the peak of the whole dry run, build included, on
@@ -165,11 +164,14 @@ def build_train_state(
     progress, saved, start = resume_or_load(cfg, strategy, model, optimizer,
                                             scaler, ema)  # fmt: skip
     progress.seed = seed if saved is None else progress.seed
-    plan = plan_batches(cfg, world, None if saved is None else saved.plan)
+    # The data is read per data-parallel replica (the processes of a pipeline
+    # share their batches).
+    replica, replicas = strategy.data_parallel()
+    plan = plan_batches(cfg, replicas, None if saved is None else saved.plan)
     train_loader = build_train_loader(
-        cfg, train_set, rank, world, progress.seed, device, plan.per_rank
+        cfg, train_set, replica, replicas, progress.seed, device, plan.per_rank
     )
-    val_loader = build_test_loader(cfg, val_set, rank, world, device)
+    val_loader = build_test_loader(cfg, val_set, replica, replicas, device)
     check_loader(train_loader, plan)
     rng = None if saved is None else saved.rng_of(rank, world)
     if rng is not None:
@@ -203,6 +205,11 @@ def report_start(cfg, info, state: TrainState, size, sizes, start: str) -> None:
             "accum": plan.accum,
             "world_size": plan.world_size,
             "global": plan.global_batch,
+        },
+        "memory": {
+            "parameters_mb": max(
+                du.all_gather_object(reports.parameter_mb(state.model))
+            ),
         },
         "lr": cfg.OPTIM.BASE_LR * plan.lr_scale,
         "lr_policy": cfg.OPTIM.LR_POLICY,

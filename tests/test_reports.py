@@ -107,6 +107,7 @@ def test_startup_report_names_versions_layout_data_model_and_batch(piped_run):
         "launcher none",
         "data: synthetic, 256 train / 64 val images, 10 classes",
         "model: resnet8, 78.04 K parameters",
+        "memory: 0.30 MiB of parameters on the fullest process",
         "batch: 32 per process x 1 accumulation step(s) x 1 process(es) = global "
         "batch 32; LR 0.1 (cos); strategy ddp; precision none; seed 1",
         "start: a new run",

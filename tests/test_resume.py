@@ -25,6 +25,8 @@ from helpers import (
     train_net,
 )
 
+from distribuuuu.checkpoint import load_full
+
 # Two epochs of the embedded data with a checkpoint every 10 steps.
 RUN = [
     *FAST,
@@ -52,9 +54,9 @@ def _command(nproc: int, args: list[str]) -> list[str]:
 
 
 def _final_model(out_dir: str) -> dict:
+    """The model of the run's last checkpoint (its shards read whole)."""
     name = read_text(out_dir, "checkpoints", "last").strip()
-    path = os.path.join(out_dir, "checkpoints", name)
-    return torch.load(path, weights_only=True)["model"]
+    return load_full(os.path.join(out_dir, "checkpoints", name))["model"]
 
 
 def _wait_for_file(pattern: str, proc, seconds: float = 240) -> None:
@@ -84,14 +86,17 @@ def _kill_mid_run(
     assert not os.path.exists(os.path.join(out, "checkpoints", before)), before
 
 
-def _sigkill_then_rerun_matches_uninterrupted(tmp_path, nproc: int, tear: bool):
+def _sigkill_then_rerun_matches_uninterrupted(
+    tmp_path, nproc: int, tear: bool, more: tuple[str, ...] = ()
+):
     """Kill a one-epoch run (every process) at a random moment after its second
     checkpoint; with ``tear``, also cut its newest checkpoint in half, as a
     crash while writing would without the atomic rename.  The rerun resumes
     (from the checkpoint before the torn one) and ends bitwise where an
-    uninterrupted run ends."""
+    uninterrupted run ends.  ``more``: config overrides of both runs."""
     reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
-    one_epoch = [*RUN, "OPTIM.MAX_EPOCH", "1"]  # 62 steps, checkpoints every 10
+    # 62 steps, checkpoints every 10
+    one_epoch = [*RUN, "OPTIM.MAX_EPOCH", "1", *more]
     launch = (lambda *a: torchrun(nproc, *a)) if nproc > 1 else train_net
     assert_ok(launch(*one_epoch, "OUT_DIR", reference))
     args = [*one_epoch, "OUT_DIR", killed]
@@ -127,6 +132,14 @@ def test_sigkill_and_a_torn_checkpoint_then_rerun_is_bitwise_identical(tmp_path)
 @pytest.mark.slow
 def test_sigkill_two_ranks_then_rerun_is_bitwise_identical(tmp_path):
     _sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, tear=False)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sigkill_a_pipeline_then_rerun_is_bitwise_identical(tmp_path):
+    """Each of the 2 stages saves its piece; the rerun reads them back."""
+    pipeline = ("DIST.STRATEGY", "pipeline", "MODEL.EMA", "True")
+    _sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, False, pipeline)
 
 
 def _worker_pid(torchrun_pid: int, rank: int) -> int:

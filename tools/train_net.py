@@ -125,11 +125,14 @@ def load_and_check(args: argparse.Namespace) -> CfgNode:
     if args.print_config:
         return cfg
     preflight.check_launch(cfg, args.num_procs)
+    world_size = job.job_world_size(args.num_procs)
+    if not args.eval_only:
+        preflight.check_layout(cfg, world_size)
     preflight.check_inputs(
         cfg,
         keep_out_dir=not args.dry_run,
         eval_only=args.eval_only,
-        world_size=job.job_world_size(args.num_procs),
+        world_size=world_size,
         dry_run=args.dry_run,
     )
     return cfg

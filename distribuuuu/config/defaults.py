@@ -281,11 +281,31 @@ _C.DIST.REQUEUE = False
 # --num-procs; every rank holds everything) | zero1 (DDP, optimizer state sharded
 # across ranks with ZeroRedundancyOptimizer) | fsdp (parameters, gradients and
 # optimizer state sharded with FSDP2 fully_shard, per block; checkpoints are
-# saved sharded, one piece per rank)
+# saved sharded, one piece per rank) | pipeline (the layers split into
+# DIST.PIPELINE.STAGES stages, one per process, micro-batches flowing through
+# them; data parallel over the remaining factor of the world size)
 _C.DIST.STRATEGY = "ddp"
 # FSDP only: keep the sharded parameters and gradients in host memory (the
 # optimizer step runs on the CPU)
 _C.DIST.FSDP_CPU_OFFLOAD = False
+# Pipeline parallelism (DIST.STRATEGY pipeline), with torch.distributed.pipelining.
+# The processes of one pipeline share one batch: TRAIN.BATCH_SIZE counts per
+# pipeline, and BatchNorm sees micro-batches (as in GPipe)
+_C.DIST.PIPELINE = CfgNode()
+# Number of stages (>= 2); it must divide the world size (the rest is data
+# parallel)
+_C.DIST.PIPELINE.STAGES = 2
+# Micro-batches per batch (0 = 2 x STAGES); they must divide TRAIN.BATCH_SIZE
+_C.DIST.PIPELINE.MICROBATCHES = 0
+# gpipe (all forwards, then all backwards) | 1f1b (one forward, one backward:
+# fewer activations held) | interleaved_1f1b (VIRTUAL_STAGES stages per process)
+_C.DIST.PIPELINE.SCHEDULE = "1f1b"
+# Stages per process under interleaved_1f1b (the model is cut into STAGES x
+# VIRTUAL_STAGES pieces, dealt round-robin)
+_C.DIST.PIPELINE.VIRTUAL_STAGES = 2
+# Module names where a new stage begins (e.g. ["layer3"]); [] = split
+# automatically, balanced by parameters (the split is logged)
+_C.DIST.PIPELINE.SPLIT = []
 
 # ---------------------------------------------------------------------------- #
 # Checkpoints

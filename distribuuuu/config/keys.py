@@ -23,6 +23,7 @@ LIST_ITEMS = {
     "OPTIM.STEPS": (int, float),
     "OPTIM.BETAS": (int, float),
     "DATA.SYNTHETIC_SIZE": (int,),
+    "DIST.PIPELINE.SPLIT": (str,),
 }
 # Old names still accepted, mapped to the current key with a warning.
 RENAMED = {
@@ -37,7 +38,8 @@ OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("", "nccl", "gloo")
 DIST_MODES = ("ddp", "dp")
-STRATEGIES = ("dp", "ddp", "zero1", "fsdp")
+STRATEGIES = ("dp", "ddp", "zero1", "fsdp", "pipeline")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PRECISIONS = ("none", "bf16", "fp16")
 AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
 
@@ -51,6 +53,7 @@ CHOICES = {
     "DIST.BACKEND": BACKENDS,
     "DIST.MODE": DIST_MODES,
     "DIST.STRATEGY": STRATEGIES,
+    "DIST.PIPELINE.SCHEDULE": PIPELINE_SCHEDULES,
     "TRAIN.MIXED_PRECISION": PRECISIONS,
     "TRAIN.RESUME_BATCH": ("global", "per_rank"),
     "DEVICE": DEVICES,

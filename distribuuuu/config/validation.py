@@ -78,6 +78,9 @@ _RANGES = {
         lambda v: 0 < v <= MAX_INIT_TIMEOUT,
         f"must be in (0, {MAX_INIT_TIMEOUT}] seconds (7 days)",
     ),
+    "DIST.PIPELINE.STAGES": (lambda v: v >= 2, "must be >= 2"),
+    "DIST.PIPELINE.MICROBATCHES": (lambda v: v >= 0, "must be >= 0 (0 = 2 x STAGES)"),
+    "DIST.PIPELINE.VIRTUAL_STAGES": (lambda v: v >= 1, "must be >= 1"),
     "CHECKPOINT.PERIOD": (lambda v: v >= 1, "must be >= 1"),
     "CHECKPOINT.KEEP": (lambda v: v >= 0, "must be >= 0 (0 keeps all)"),
     "CHECKPOINT.PERIOD_ITERS": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
@@ -191,6 +194,55 @@ def _validate_dist(cfg: CfgNode) -> None:
             "fp16",
             "is not supported with DIST.STRATEGY fsdp; use bf16",
         )
+    if cfg.DIST.STRATEGY == "pipeline":
+        _validate_pipeline(cfg)
+
+
+def _validate_pipeline(cfg: CfgNode) -> None:
+    """DIST.PIPELINE: micro-batches that fill the schedule and split the batch;
+    what the pipeline does not support."""
+    pipe = cfg.DIST.PIPELINE
+    micro = pipe.MICROBATCHES or 2 * pipe.STAGES
+    if pipe.SCHEDULE != "gpipe":
+        _check(
+            micro >= pipe.STAGES,
+            "DIST.PIPELINE.MICROBATCHES",
+            micro,
+            f"must be >= DIST.PIPELINE.STAGES {pipe.STAGES} under {pipe.SCHEDULE} "
+            "(every stage needs a micro-batch in flight)",
+        )
+    if pipe.SCHEDULE == "interleaved_1f1b":
+        _check(
+            micro % pipe.STAGES == 0,
+            "DIST.PIPELINE.MICROBATCHES",
+            micro,
+            f"must be a multiple of DIST.PIPELINE.STAGES {pipe.STAGES} under "
+            "interleaved_1f1b",
+        )
+    _check(
+        cfg.TRAIN.BATCH_SIZE % micro == 0,
+        "TRAIN.BATCH_SIZE",
+        cfg.TRAIN.BATCH_SIZE,
+        f"must be a multiple of the {micro} pipeline micro-batches "
+        "(DIST.PIPELINE.MICROBATCHES)",
+    )
+    for key, used in (
+        ("MODEL.SYNCBN", cfg.MODEL.SYNCBN),
+        ("TRAIN.PRECISE_BN", cfg.TRAIN.PRECISE_BN > 0),
+    ):
+        _check(
+            not used,
+            key,
+            get_key(cfg, key),
+            "is not supported with DIST.STRATEGY pipeline",
+        )
+    _check(
+        cfg.TRAIN.MIXED_PRECISION != "fp16",
+        "TRAIN.MIXED_PRECISION",
+        "fp16",
+        "is not supported with DIST.STRATEGY pipeline (the stages would have to "
+        "agree on every skipped step); use bf16",
+    )
 
 
 def _validate_test(cfg: CfgNode) -> None:

@@ -15,6 +15,7 @@ from distribuuuu.strategies.base import Strategy, unwrap_model
 from distribuuuu.strategies.ddp import DDPStrategy
 from distribuuuu.strategies.dp import DataParallelStrategy
 from distribuuuu.strategies.fsdp import FSDPStrategy
+from distribuuuu.strategies.pipeline import PipelineStrategy
 from distribuuuu.strategies.zero1 import Zero1Strategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -22,6 +23,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "ddp": DDPStrategy,
     "zero1": Zero1Strategy,
     "fsdp": FSDPStrategy,
+    "pipeline": PipelineStrategy,
 }
 
 

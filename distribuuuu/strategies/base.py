@@ -11,7 +11,7 @@ these methods, never ``isinstance`` on a wrapper.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -110,6 +110,24 @@ def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
     return [owner[p] for group in optimizer.param_groups for p in group["params"]]
 
 
+def own_groups_by_name(
+    state: dict, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict:
+    """An optimizer state keyed by parameter name, cut and ordered to
+    ``optimizer``'s own groups (each with the saved hyper-parameters of its
+    first parameter): torch's ``load_state_dict`` pairs saved and current
+    parameters by position, so the saved order must be the optimizer's."""
+    saved_group = {n: g for g in state["param_groups"] for n in g["params"]}
+    names = iter(parameter_names(model, optimizer))
+    groups = []
+    for group in optimizer.param_groups:
+        own = [next(names) for _ in group["params"]]
+        groups.append({**saved_group[own[0]], "params": own})
+    saved = state["state"]
+    states = {n: saved[n] for g in groups for n in g["params"] if n in saved}
+    return {"state": states, "param_groups": groups}
+
+
 def keyed_by_name(state: dict) -> bool:
     """Whether an optimizer state_dict keys its parameters by name (FSDP's)."""
     saved = [key for group in state["param_groups"] for key in group["params"]]
@@ -138,6 +156,25 @@ class Strategy:
         """Whether collectives on host tensors need gloo beside nccl."""
         return False
 
+    @classmethod
+    def replicas(cls, cfg: CfgNode, world_size: int) -> int:
+        """How many data-parallel replicas ``world_size`` processes form (each
+        reads its own batches; the processes of one replica share them)."""
+        return world_size
+
+    @classmethod
+    def check_layout(
+        cls, cfg: CfgNode, world_size: int, skeleton: Callable[[], nn.Module]
+    ) -> None:
+        """Refuse (ValueError) a layout that cannot work, before the processes
+        start; ``skeleton()`` builds the model without memory."""
+
+    def data_parallel(self) -> tuple[int, int]:
+        """This process's replica and the number of replicas."""
+        world = du.get_world_size()
+        replicas = self.replicas(self.cfg, world)
+        return du.get_rank() // (world // replicas), replicas
+
     # --- the model and the optimizer ------------------------------------ #
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """``model`` on this process's device, wrapped or sharded for the run."""
@@ -154,6 +191,11 @@ class Strategy:
     def forward_is_collective(self, model: nn.Module) -> bool:
         """Whether every rank must run each forward pass (sharded weights)."""
         return False
+
+    def holds_outputs(self, model: nn.Module) -> bool:
+        """Whether this process's forward passes return the logits (a pipeline's
+        last stage does; its other stages return None), which count once."""
+        return True
 
     def describe(self, model: nn.Module) -> str:
         """A few words for the start-up report."""
@@ -239,6 +281,7 @@ class Strategy:
         """Load a whole optimizer state (every rank passes it), keyed by
         parameter index or, as FSDP saves it, by parameter name."""
         if keyed_by_name(state):
+            state = own_groups_by_name(state, model, optimizer)
             names = parameter_names(model, optimizer)
             state = rekey_optimizer_state(state, names, list(range(len(names))))
         optimizer.load_state_dict(state)

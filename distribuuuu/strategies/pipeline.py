@@ -1,0 +1,441 @@
+"""``DIST.STRATEGY pipeline``: the layers split into stages, one per process,
+with PyTorch's ``torch.distributed.pipelining`` running the schedule.
+
+The world is a 2-D mesh, data parallel x pipeline (``dp`` x ``pp``): ranks
+``d * STAGES ... d * STAGES + STAGES - 1`` form pipeline ``d``, neighbours in
+one pipeline are neighbouring ranks.  Each batch of a pipeline (TRAIN.BATCH_SIZE
+images, shared by its processes) is cut into DIST.PIPELINE.MICROBATCHES
+micro-batches that flow through the stages under GPipe (all forwards, then all
+backwards), 1F1B (a backward as soon as a micro-batch is through, so at most
+STAGES micro-batches of activations are held) or interleaved 1F1B (several
+stages per process, a smaller bubble).  After the schedule, the gradients of
+each stage are averaged over its data-parallel replicas (one all-reduce per
+stage); gradient clipping takes the norm over all stages.
+
+Each stage holds its layers under the whole model's names, so the stages'
+checkpoint pieces (DCP, like FSDP's) fit together into the whole model, load on
+another stage count or world size, and read whole for the tools.
+
+Semantics: BatchNorm normalizes each micro-batch (as in GPipe); a model
+without BatchNorm trains exactly as one process with the same global batch.
+Evaluation relays whole batches through the stages (any batch size; nothing
+to overlap without a backward pass).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from yacs.config import CfgNode
+
+from distribuuuu import checkpoint as cp
+from distribuuuu import distributed as du
+from distribuuuu import optim
+from distribuuuu.models.chains import (
+    StagePart,
+    Step,
+    balanced_bounds,
+    model_chain,
+    named_bounds,
+    step_sizes,
+)
+from distribuuuu.precision import autocast
+from distribuuuu.state import (
+    EMA,
+    MODEL,
+    OPTIMIZER,
+    grouped_by_list,
+    grouped_by_name,
+    sharded_entries,
+)
+from distribuuuu.strategies.base import (
+    MicroBatch,
+    Strategy,
+    keyed_by_name,
+    own_groups_by_name,
+    parameter_names,
+    rekey_optimizer_state,
+    step_optimizer,
+)
+
+if TYPE_CHECKING:
+    from distribuuuu.losses import TrainLoss
+    from distribuuuu.meters import MetricSums
+    from distribuuuu.state import TrainState
+
+logger = logging.getLogger(__name__)
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+
+
+def micro_batches(cfg: CfgNode) -> int:
+    """DIST.PIPELINE.MICROBATCHES, 0 meaning twice the stages."""
+    pipe = cfg.DIST.PIPELINE
+    return pipe.MICROBATCHES or 2 * pipe.STAGES
+
+
+def piece_count(cfg: CfgNode) -> int:
+    """Pieces the model is cut into: STAGES, times VIRTUAL_STAGES interleaved."""
+    pipe = cfg.DIST.PIPELINE
+    return pipe.STAGES * (
+        pipe.VIRTUAL_STAGES if pipe.SCHEDULE == "interleaved_1f1b" else 1
+    )
+
+
+# --- where the model is cut ------------------------------------------------- #
+def plan_split(model: nn.Module, cfg: CfgNode) -> tuple[list[Step], list[int]]:
+    """The chain of ``model`` and the first step of each piece.  Raises
+    ValueError for a model the pipeline cannot cut as asked."""
+    steps, pieces = model_chain(model), piece_count(cfg)
+    if len(steps) < pieces:
+        raise ValueError(
+            f"DIST.PIPELINE: {cfg.MODEL.ARCH} has {len(steps)} layers to cut "
+            f"between, too few for {pieces} stages"
+        )
+    names = list(cfg.DIST.PIPELINE.SPLIT)
+    if names:
+        return steps, named_bounds(steps, names, pieces)
+    return steps, balanced_bounds(step_sizes(model, steps), pieces)
+
+
+def describe_split(model: nn.Module, steps: list[Step], bounds: list[int]) -> str:
+    """One line per piece: its first and last layer and its parameters."""
+    sizes = step_sizes(model, steps)
+    ends = [*bounds[1:], len(steps)]
+    return "\n".join(
+        f"  stage {index}: {steps[start].name} .. {steps[end - 1].owns[-1]}, "
+        f"{sum(sizes[start:end]):,} parameters"
+        for index, (start, end) in enumerate(zip(bounds, ends))
+    )
+
+
+# --- activations between stages ------------------------------------------ #
+# The dtypes activations travel in between stages, by index in the header.
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_DIMS = 8
+
+
+def send_activation(x: torch.Tensor, dst: int, group) -> None:
+    """Send ``x`` with a header of its dtype and shape (to global rank ``dst``)."""
+    shape = [*x.shape] + [0] * (_MAX_DIMS - x.dim())
+    header = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *shape], device=x.device)
+    dist.send(header, dst, group=group)
+    dist.send(x.contiguous(), dst, group=group)
+
+
+def recv_activation(src: int, group, device: torch.device) -> torch.Tensor:
+    """Receive what :func:`send_activation` sent from global rank ``src``."""
+    header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    dtype, dims, *shape = header.tolist()
+    x = torch.empty(shape[:dims], dtype=_DTYPES[dtype], device=device)
+    dist.recv(x, src, group=group)
+    return x
+
+
+class PipelineForward(nn.Module):
+    """Forward passes relayed through the stages whole, for evaluation: the
+    last stage's process returns the logits, the others None."""
+
+    def __init__(self, pieces: list[StagePart], indices: list[int], route):
+        super().__init__()
+        self.pieces = nn.ModuleList(pieces)
+        self.indices, self.route = indices, route
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor | None:
+        group, last, rank_of = self.route
+        x, out = images, None
+        for piece, index in zip(self.pieces, self.indices):
+            if index > 0:
+                x = recv_activation(rank_of(index - 1), group, images.device)
+            x = piece(x)
+            if index < last:
+                send_activation(x, rank_of(index + 1), group)
+            else:
+                out = x
+        return out
+
+
+class _WholeShapes:
+    """The whole model's state_dict names and shapes (on the meta device),
+    which loaded weights are checked against."""
+
+    def __init__(self, model: nn.Module):
+        self.shapes = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
+
+    def state_dict(self) -> dict:
+        return {
+            k: torch.empty(shape, dtype=dtype, device="meta")
+            for k, (shape, dtype) in self.shapes.items()
+        }
+
+
+def _sync_from_rank0(model: nn.Module) -> None:
+    """Every rank's whole model made rank 0's before it is cut (the ranks
+    built it from different seeds)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, 0)
+
+
+class PipelineStrategy(Strategy):
+    """Stages of the model on the ranks of a pipeline; data parallel across
+    pipelines."""
+
+    name = "pipeline"
+    supports_channels_last = False  # activations cross processes contiguous
+
+    @classmethod
+    def replicas(cls, cfg: CfgNode, world_size: int) -> int:
+        return max(world_size // cfg.DIST.PIPELINE.STAGES, 1)
+
+    @classmethod
+    def check_layout(
+        cls, cfg: CfgNode, world_size: int, skeleton: Callable[[], nn.Module]
+    ) -> None:
+        stages = cfg.DIST.PIPELINE.STAGES
+        if world_size % stages:
+            raise ValueError(
+                f"DIST.PIPELINE.STAGES {stages} must divide the world size "
+                f"{world_size} (the processes; the rest of it is data parallel)"
+            )
+        plan_split(skeleton(), cfg)
+
+    def __init__(self, cfg: CfgNode, device: torch.device, amp_dtype=None):
+        super().__init__(cfg, device, amp_dtype)
+        self.stages, self.world = cfg.DIST.PIPELINE.STAGES, du.get_world_size()
+        self.pieces = piece_count(cfg)
+        self.micro = micro_batches(cfg)
+        self.step_loss: Callable | None = None
+
+    # --- the model ------------------------------------------------------- #
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        if self.world % self.stages:  # refused before the processes start
+            raise ValueError("DIST.PIPELINE.STAGES must divide the world size")
+        mesh = init_device_mesh(
+            self.device.type,
+            (self.world // self.stages, self.stages),
+            mesh_dim_names=("dp", "pp"),
+        )
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        self.stage = mesh.get_local_rank("pp")
+        self.dp_size = self.world // self.stages
+        base = du.get_rank() - self.stage
+        if du.is_distributed():
+            _sync_from_rank0(model)
+        steps, bounds = plan_split(model, self.cfg)
+        logger.info(
+            "pipeline: %d stages x %d data-parallel, %s schedule, %d micro-batches; "
+            "split %s:\n%s",
+            self.stages,
+            self.dp_size,
+            self.cfg.DIST.PIPELINE.SCHEDULE,
+            self.micro,
+            "as DIST.PIPELINE.SPLIT says" if self.cfg.DIST.PIPELINE.SPLIT
+            else "balanced by parameters",
+            describe_split(model, steps, bounds),
+        )  # fmt: skip
+        self.whole = _WholeShapes(model)
+        whole_optimizer = optim.build_optimizer(model, self.cfg.OPTIM)
+        self.whole_names = parameter_names(model, whole_optimizer)
+        del whole_optimizer
+        ends = [*bounds[1:], len(steps)]
+        self.indices = list(range(self.stage, self.pieces, self.stages))
+        mine = [steps[bounds[i] : ends[i]] for i in self.indices]
+        part = StagePart(model, [step for piece in mine for step in piece])
+        part.to(self.device)
+        pieces = [StagePart(part, piece) for piece in mine]
+
+        def rank_of(index: int) -> int:
+            return base + index % self.stages
+
+        self.first, self.last = 0 in self.indices, self.pieces - 1 in self.indices
+        route = (self.pp_group, self.pieces - 1, rank_of)
+        self.relay = PipelineForward(pieces, self.indices, route)
+        self.schedule = self._schedule(pieces)
+        return part
+
+    def _schedule(self, pieces: list[StagePart]):
+        stages = [
+            PipelineStage(piece, index, self.pieces, self.device, group=self.pp_group)
+            for piece, index in zip(pieces, self.indices)
+        ]
+        kind = SCHEDULES[self.cfg.DIST.PIPELINE.SCHEDULE]
+        first = stages if kind is ScheduleInterleaved1F1B else stages[0]
+        # scale_grads=False: the loss is divided here, by micro-batches and
+        # accumulation steps, so gradients accumulate over schedule steps.
+        return kind(first, self.micro, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.step_loss(logits, target)
+
+    def describe(self, model: nn.Module) -> str:
+        pipe = self.cfg.DIST.PIPELINE
+        return (
+            f"pipeline ({self.stages} stages x {self.dp_size} data-parallel, "
+            f"{pipe.SCHEDULE}, {self.micro} micro-batches per batch)"
+        )
+
+    def holds_outputs(self, model: nn.Module) -> bool:
+        return self.last
+
+    # --- training -------------------------------------------------------- #
+    def train_step(
+        self,
+        state: TrainState,
+        micro_batches: Iterable[MicroBatch],
+        meter: MetricSums,
+        loss_fn: TrainLoss,
+    ) -> bool:
+        """Each batch through the schedule; gradients averaged over the
+        data-parallel replicas, clipped by the norm over all stages."""
+        accum, seen = state.plan.accum, []
+
+        def step_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(logits, target)
+            seen.append(loss.detach())
+            return loss / (self.micro * accum)
+
+        self.step_loss = step_loss
+        for micro, (images, targets, loss_targets) in enumerate(micro_batches):
+            if micro == 0:
+                state.optimizer.zero_grad(set_to_none=True)
+            args = (images,) if self.first else ()
+            target = loss_targets if self.last else None
+            with autocast(self.device, state.amp_dtype):
+                logits = self.schedule.step(*args, target=target)
+            if self.last:
+                # The first step's metadata inference computes a loss too.
+                losses = torch.stack(seen[-self.micro :])
+                loss_sum = losses.sum() * (targets.numel() // self.micro)
+                meter.update(loss_sum, logits.detach(), targets)
+                seen.clear()
+        params = list(state.model.parameters())
+        self._average_gradients(params)
+        clip = self.cfg.OPTIM.CLIP_GRAD_NORM
+        if clip > 0:
+            self._clip_global_norm(params, clip)
+        return step_optimizer(state.model, state.optimizer, state.scaler, 0.0)
+
+    def _average_gradients(self, params: list[nn.Parameter]) -> None:
+        """One all-reduce of this stage's gradients over its replicas."""
+        if self.dp_size == 1:
+            return
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [param.grad for param in params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp_size
+        for grad, reduced in zip(
+            grads, torch._utils._unflatten_dense_tensors(flat, grads)
+        ):
+            grad.copy_(reduced)
+
+    def _clip_global_norm(self, params: list[nn.Parameter], max_norm: float) -> None:
+        """Clip by the norm of the gradients of all stages together."""
+        grads = [p.grad for p in params if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else None
+        squared = torch.zeros((), device=self.device) if local is None else local**2
+        dist.all_reduce(squared, group=self.pp_group)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, squared.sqrt())
+
+    # --- evaluation ------------------------------------------------------ #
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """The relay through the stages (each stage's replicas agree on their
+        buffers: the BatchNorm statistics of the first pipeline)."""
+        if self.dp_size > 1:
+            for buffer in model.buffers():
+                dist.broadcast(buffer, du.get_rank() % self.stages, group=self.dp_group)
+        return self.relay
+
+    # --- state in our checkpoint layout ---------------------------------- #
+    def model_state_dict(self, model: nn.Module) -> dict:
+        """Gathered from the first pipeline's stages on rank 0 ({} elsewhere),
+        in the whole model's order; a collective."""
+        own = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        first_pipeline = du.get_rank() < self.stages
+        pieces = du.all_gather_object(own if first_pipeline else {})
+        if not du.is_main_process():
+            return {}
+        merged = {k: v for piece in pieces for k, v in piece.items()}
+        return {k: merged[k] for k in self.whole.shapes}
+
+    def load_model_state(self, model: nn.Module, weights: dict, strict=True) -> None:
+        """This stage's entries of a whole state_dict."""
+        own = model.state_dict()
+        model.load_state_dict({k: weights[k] for k in own if k in weights}, strict)
+
+    def load_model_weights(self, model, weights, path, finetune_classes=None):
+        """Checked against the whole model; each stage loads its entries."""
+
+        def load(whole: dict, strict: bool) -> None:
+            self.load_model_state(model, whole, strict)
+
+        return cp.load_model_weights(self.whole, weights, path, load, finetune_classes)
+
+    def optimizer_state_dict(self, model, optimizer) -> dict:
+        """This stage's optimizer state keyed by parameter name."""
+        return get_optimizer_state_dict(model, optimizer)
+
+    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
+        """This stage's entries of a whole optimizer state (keyed by index in
+        the whole model's order, or by name)."""
+        state = grouped_by_list(state)
+        if not keyed_by_name(state):
+            indices = list(range(len(self.whole_names)))
+            state = rekey_optimizer_state(state, indices, self.whole_names)
+        own = own_groups_by_name(state, model, optimizer)
+        set_optimizer_state_dict(model, optimizer, own)
+
+    def save_weights(self, model, optimizer, ema, out_dir: str, name: str) -> dict:
+        """Every stage writes its pieces (DCP): the model, the optimizer by
+        parameter name, the EMA; the replicas of a stage write them once."""
+        shards = {
+            MODEL: model.state_dict(),
+            OPTIMIZER: grouped_by_name(get_optimizer_state_dict(model, optimizer)),
+        }
+        if ema is not None:
+            shards[EMA] = ema.tensors()
+        folder, manifest = cp.save_sharded(out_dir, name, shards)
+        return sharded_entries(folder, manifest)
+
+    def load_weights(self, model, optimizer, saved, ema) -> bool:
+        """Each stage reads its own pieces, whatever layout saved them."""
+        if not saved.is_sharded:
+            return super().load_weights(model, optimizer, saved, ema)
+        directory = cp.shards_of(saved.path, saved.state)
+        shards = {
+            MODEL: model.state_dict(),
+            OPTIMIZER: grouped_by_name(get_optimizer_state_dict(model, optimizer)),
+        }
+        cp.load_shards(shards, directory)
+        model.load_state_dict(shards[MODEL])
+        self.load_optimizer_state(model, optimizer, shards[OPTIMIZER])
+        if ema is None or not saved.has_ema:
+            return False
+        ema.load_shards(directory, saved.ema_counters)
+        return True
+
+
+__all__ = ["PipelineStrategy", "plan_split"]
