@@ -12,6 +12,8 @@ import sys
 import pytest
 from helpers import REPO, assert_ok, run_command
 
+from distribuuuu.pipeline_bubble import format_bubble, measure_bubble
+
 # Loaded from this checkout's file: distribuuuu.tools maps to the installed one.
 _SPEC = importlib.util.spec_from_file_location(
     "benchmark", f"{REPO}/tools/benchmark.py"
@@ -73,3 +75,19 @@ def test_interleave_alternates_the_first_side_and_pairs_ratios(monkeypatch):
     assert result["ratio"]["runs"] == [2.0, 4.0, 4.0]
     assert result["ratio"]["median"] == 4.0
     assert result["cpu"]["ratio"]["runs"] == [2.0, 4.0, 4.0]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_pipeline_bubble_is_measured_for_both_schedules():
+    rows = measure_bubble(micro=(2, 4), width=64, layers=2, batch=32, repeats=2)
+    assert [(r["schedule"], r["micro_batches"]) for r in rows] == [
+        ("gpipe", 2),
+        ("1f1b", 2),
+        ("gpipe", 4),
+        ("1f1b", 4),
+    ]
+    for row in rows:
+        assert row["ideal_bubble"] == 1 / (row["micro_batches"] + 1)  # 2 stages
+        assert 0 <= row["bubble"] < 1 and row["step_ms"] > 0
+    assert "1f1b" in format_bubble(rows)

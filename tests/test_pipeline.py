@@ -242,3 +242,37 @@ def test_a_pipeline_checkpoint_resumes_on_other_layouts(tmp_path):
     actual = _final_weights(str(tmp_path / "four_stages"))
     for key, value in expected.items():
         torch.testing.assert_close(actual[key], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_accumulation_clipping_and_ema_under_a_pipeline(tmp_path):
+    """Gradient accumulation, clipping by the norm over both stages and the
+    EMA give the weights (and EMA) one process gets; bf16 and --eval-only run."""
+    more = [
+        *LENET,
+        "TRAIN.BATCH_SIZE",
+        "32",
+        "TRAIN.ACCUM_STEPS",
+        "2",
+        "OPTIM.CLIP_GRAD_NORM",
+        "0.5",
+        "MODEL.EMA",
+        "True",
+    ]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    assert_ok(train_net(*more, "OUT_DIR", one))
+    assert_ok(torchrun(2, *more, *PIPELINE, "OUT_DIR", two))
+    _assert_same_run(two, one, atol=1e-5)
+    name = read_text(one, "checkpoints", "last").strip()
+    expected = cp.load_full(os.path.join(one, "checkpoints", name))["ema"]
+    actual = cp.load_full(os.path.join(two, "checkpoints", name))["ema"]
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-5)
+    bf16 = ["TRAIN.MIXED_PRECISION", "bf16", "OUT_DIR", str(tmp_path / "bf16")]
+    assert_ok(torchrun(2, "--dry-run", *more, *PIPELINE, *bf16))
+    weights = os.path.join(two, cp.BEST_WEIGHTS)
+    evaluated = torchrun(2, "--eval-only", *LENET, *PIPELINE, "MODEL.WEIGHTS", weights,
+                         "OUT_DIR", str(tmp_path / "eval"))  # fmt: skip
+    assert_ok(evaluated)
+    assert "samples 1000" in evaluated.stdout

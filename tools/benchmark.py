@@ -4,27 +4,25 @@
     python tools/benchmark.py [--cfg FILE] [--model resnet18 --im-size 32 ...]
     python tools/benchmark.py --short          # seconds: the CI smoke test
 
-Four measurements, printed as a table and written as JSON (``--out``):
+Measurements, printed as a table and written as JSON (``--out``):
 
 * train step: img/s of distribuuuu's training loop (``loop.train_epoch``:
   learning-rate schedule, loss, backward, optimizer, metrics, logging) beside
   a minimal loop (forward, loss, zero_grad, backward, step, ``loss.item()``
   every step) on the same model, batches and threads;
-* data pipeline: img/s of our ImageFolder loader (decode and train
-  transforms in the workers, then the normalisation that the trainer does on
-  the device, here the CPU of this process) beside
-  ``torchvision.datasets.ImageFolder`` with the classic PIL transforms, at
-  the same worker count and batch, on a folder of ImageNet-sized JPEGs that
-  the tool writes first;
+* data pipeline: img/s of our ImageFolder loader (decode and transforms in
+  the workers, normalisation in this process) beside torchvision's ImageFolder
+  with the classic PIL transforms, same workers and batch, on ImageNet-sized
+  JPEGs that the tool writes first;
 * eval: img/s of ``evaluation.evaluate`` beside a minimal no-grad loop;
-* start-up: seconds of ``train_net.py --dry-run`` from launch to exit (build,
-  one training step, one evaluation batch).
+* start-up: seconds of ``train_net.py --dry-run`` (build, a step, an eval batch);
+* ``--only pipeline``: GPipe's and 1F1B's bubble (distribuuuu.pipeline_bubble).
 
 The two sides of a measurement alternate, repeat after repeat (the first
 side changes every repeat), so that load from other processes on the machine
 hits both alike.  Each figure is the median over the repeats with the
 slowest and fastest repeat beside it; a ratio is the median of the
-per-repeat ratios.  Nothing is downloaded: the data are synthetic.
+per-repeat ratios.  Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -58,6 +56,7 @@ from distribuuuu.evaluation import EvalSpec, evaluate
 from distribuuuu.logger import PACKAGE_LOGGER, MetricsWriter, setup_logging
 from distribuuuu.loop import train_epoch
 from distribuuuu.models import build_model
+from distribuuuu.pipeline_bubble import format_bubble, measure_bubble
 from distribuuuu.trainer import build_train_state
 
 TRAIN_NET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_net.py")
@@ -92,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--data-images", type=int, default=1024, help="JPEGs in the data folder")
     add("--data-im-size", type=int, default=224, help="crop of the data pipeline")
     add("--data-batch", type=int, default=32, help="batch of the data pipeline")
-    add("--only", default="train,data,eval,startup", help="what to measure")
+    add("--only", default="train,data,eval,startup", help="...,pipeline")
     add("--short", action="store_true", help="tiny sizes, 2 repeats (smoke test)")
     add("--out", default="benchmark.json", help="JSON file to write")
     args = parser.parse_args(argv)
@@ -413,11 +412,8 @@ def bench_data(args: argparse.Namespace, work_dir: str) -> dict:
 
 def bench_startup(args: argparse.Namespace, work_dir: str) -> dict:
     """Seconds of ``train_net.py --dry-run`` of the recipe, launch to exit."""
-    cmd = [sys.executable, TRAIN_NET, "--dry-run"]
-    if args.ranks > 1:
-        cmd += ["--num-procs", str(args.ranks)]
-    if args.cfg:
-        cmd += ["--cfg", args.cfg]
+    cmd = [sys.executable, TRAIN_NET, "--dry-run", "--num-procs", str(args.ranks)]
+    cmd += ["--cfg", args.cfg] if args.cfg else []
     cmd += [*recipe_opts(args), "OUT_DIR", os.path.join(work_dir, "startup")]
     env = dict(os.environ)
     if args.threads:  # torch reads it at start-up for its thread pool
@@ -456,6 +452,8 @@ def format_table(results: dict) -> str:
         startup = {"dry run": results["startup"]["seconds"]}
         lines.append(_row("startup", startup, "s"))
     lines.append("img/cs: images per CPU-second of the process and its workers")
+    if "pipeline" in results:
+        lines.append(format_bubble(results["pipeline"]))
     return "\n".join(lines)
 
 
@@ -474,6 +472,8 @@ def main(argv: list[str] | None = None) -> dict:
             results["data_pipeline"] = bench_data(args, work_dir)
         if "startup" in what:
             results["startup"] = bench_startup(args, work_dir)
+    if "pipeline" in what:
+        results["pipeline"] = measure_bubble(repeats=args.repeats)
     report = {
         "settings": {
             **{k: v for k, v in vars(args).items() if k != "out"},
