@@ -142,6 +142,14 @@ def test_sigkill_a_pipeline_then_rerun_is_bitwise_identical(tmp_path):
     _sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, False, pipeline)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sigkill_tensor_parallel_ranks_then_rerun_is_bitwise_identical(tmp_path):
+    """vit_tiny_patch4 split over 2 ranks; its DCP shards read back."""
+    tensor = ("MODEL.ARCH", "vit_tiny_patch4", "DIST.TENSOR_PARALLEL", "2")
+    _sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, False, tensor)
+
+
 def _worker_pid(torchrun_pid: int, rank: int) -> int:
     """The pid of the worker of ``rank`` that torchrun ``torchrun_pid`` started."""
     for pid in descendants(torchrun_pid):

@@ -288,6 +288,11 @@ _C.DIST.STRATEGY = "ddp"
 # FSDP only: keep the sharded parameters and gradients in host memory (the
 # optimizer step runs on the CPU)
 _C.DIST.FSDP_CPU_OFFLOAD = False
+# Tensor parallelism: split each transformer block over this many ranks
+# (Megatron's column/row-parallel attention and MLP; vit_tiny_patch4 and
+# torchvision's vit_*), with DIST.STRATEGY ddp or fsdp over the replicas. The
+# ranks of a block share its batches: TRAIN.BATCH_SIZE counts per replica
+_C.DIST.TENSOR_PARALLEL = 1
 # Pipeline parallelism (DIST.STRATEGY pipeline), with torch.distributed.pipelining.
 # The processes of one pipeline share one batch: TRAIN.BATCH_SIZE counts per
 # pipeline, and BatchNorm sees micro-batches (as in GPipe)

@@ -78,6 +78,7 @@ _RANGES = {
         lambda v: 0 < v <= MAX_INIT_TIMEOUT,
         f"must be in (0, {MAX_INIT_TIMEOUT}] seconds (7 days)",
     ),
+    "DIST.TENSOR_PARALLEL": (lambda v: v >= 1, "must be >= 1 (1 = off)"),
     "DIST.PIPELINE.STAGES": (lambda v: v >= 2, "must be >= 2"),
     "DIST.PIPELINE.MICROBATCHES": (lambda v: v >= 0, "must be >= 0 (0 = 2 x STAGES)"),
     "DIST.PIPELINE.VIRTUAL_STAGES": (lambda v: v >= 1, "must be >= 1"),
@@ -196,6 +197,20 @@ def _validate_dist(cfg: CfgNode) -> None:
         )
     if cfg.DIST.STRATEGY == "pipeline":
         _validate_pipeline(cfg)
+    if cfg.DIST.TENSOR_PARALLEL > 1:
+        _check(
+            cfg.DIST.STRATEGY in ("ddp", "fsdp"),
+            "DIST.STRATEGY",
+            cfg.DIST.STRATEGY,
+            "cannot be combined with DIST.TENSOR_PARALLEL > 1: choose ddp or fsdp "
+            "over the replicas",
+        )
+        _check(
+            cfg.TRAIN.MIXED_PRECISION != "fp16",
+            "TRAIN.MIXED_PRECISION",
+            "fp16",
+            "is not supported with DIST.TENSOR_PARALLEL; use bf16",
+        )
 
 
 def _validate_pipeline(cfg: CfgNode) -> None:

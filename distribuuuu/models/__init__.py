@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from distribuuuu.models import small
+from distribuuuu.models import small, vit
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ _SMALL: dict[str, Callable[[int], nn.Module]] = {
     },
     "resnet18_cifar": small.resnet18_cifar,
     "lenet5": small.LeNet5,
+    "vit_tiny_patch4": vit.vit_tiny_patch4,
 }
 TIMM_PREFIX = "timm/"
 # The repeated blocks of the common timm families, by module of timm.models, as
@@ -160,6 +161,7 @@ def _block_types() -> tuple[type, ...]:
 
     return (
         small.BasicBlock,
+        vit.Block,
         resnet.BasicBlock,
         resnet.Bottleneck,
         efficientnet.MBConv,

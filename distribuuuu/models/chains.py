@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distribuuuu.models import small
+from distribuuuu.models import small, vit
 
 # step(root, x) -> x: root is a module tree holding the step's names.
 Run = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -145,6 +145,20 @@ def _vit(model: nn.Module) -> list[Step]:
     return steps + [Step(("encoder.ln", "heads"), head)]
 
 
+def _our_vit(model: nn.Module) -> list[Step]:
+    """vit_tiny_patch4: the embedding, the blocks, the norm and head."""
+
+    def head(root: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return root.head(root.norm(x)[:, 0])
+
+    def embed(root: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return vit.embed_patches(root.patch_embed, root.cls_token, x)
+
+    embed = Step(("patch_embed", "cls_token"), embed)
+    blocks = _children(model, "blocks")
+    return [embed, *blocks, Step(("norm", "head"), head)]
+
+
 def _families() -> list[tuple[type, Callable[[nn.Module], list[Step]]]]:
     from torchvision.models import (
         convnext,
@@ -162,6 +176,7 @@ def _families() -> list[tuple[type, Callable[[nn.Module], list[Step]]]]:
     return [
         (small.SmallResNet, _small_resnet),
         (small.LeNet5, _lenet),
+        (vit.VisionTransformer, _our_vit),
         (resnet.ResNet, _resnet),
         (regnet.RegNet, _regnet),
         (

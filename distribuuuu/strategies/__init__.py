@@ -16,6 +16,7 @@ from distribuuuu.strategies.ddp import DDPStrategy
 from distribuuuu.strategies.dp import DataParallelStrategy
 from distribuuuu.strategies.fsdp import FSDPStrategy
 from distribuuuu.strategies.pipeline import PipelineStrategy
+from distribuuuu.strategies.tensor import TensorParallelStrategy
 from distribuuuu.strategies.zero1 import Zero1Strategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -28,7 +29,10 @@ STRATEGIES: dict[str, type[Strategy]] = {
 
 
 def strategy_class(cfg: CfgNode) -> type[Strategy]:
-    """The strategy class that ``DIST.STRATEGY`` names."""
+    """The strategy class that ``DIST.STRATEGY`` names; tensor parallelism
+    (``DIST.TENSOR_PARALLEL`` > 1) wraps ddp or fsdp over its replicas."""
+    if cfg.DIST.TENSOR_PARALLEL > 1:
+        return TensorParallelStrategy
     return STRATEGIES[cfg.DIST.STRATEGY]
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
@@ -52,6 +53,58 @@ def broadcast_buffers(model: nn.Module, src: int = 0) -> None:
             torch.distributed.broadcast(buffer, src)
 
 
+def broadcast_model(model: nn.Module) -> None:
+    """Every rank's model made rank 0's (parameters and buffers), for a
+    strategy that cuts the model up itself after building it on each rank
+    from its own seed."""
+    if du.is_distributed():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            torch.distributed.broadcast(tensor.data, 0)
+
+
+def average_gradients(params: list[nn.Parameter], group, size: int) -> None:
+    """Average the gradients (this rank's shards of DTensor ones) over the
+    ``size`` ranks of ``group``, in one all-reduce."""
+    if size == 1:
+        return
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    grads = [_local(param.grad) for param in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    torch.distributed.all_reduce(flat, group=group)
+    flat /= size
+    torch._foreach_copy_(
+        grads, list(torch._utils._unflatten_dense_tensors(flat, grads))
+    )
+
+
+def clip_gradients(params: list[nn.Parameter], max_norm: float) -> None:
+    """Clip the gradients by their global norm, where they may be DTensors on
+    different meshes (tensor-parallel blocks, FSDP x TP) beside plain tensors
+    that every rank holds alike: torch's ``clip_grad_norm_`` mixes neither."""
+    groups: dict = {}
+    for param in params:
+        if param.grad is not None:
+            grad = param.grad
+            mesh = grad.device_mesh if isinstance(grad, DTensor) else None
+            groups.setdefault(mesh, []).append(param)
+    if len(groups) <= 1:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    norms = []
+    for mesh, group in groups.items():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm if mesh is None else norm.full_tensor())
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in groups.values():  # parameters, whose .grad is scaled
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def step_optimizer(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -66,7 +119,7 @@ def step_optimizer(
     """
     if clip_grad_norm > 0:
         scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        clip_gradients(list(model.parameters()), clip_grad_norm)
     if not (check_skip and scaler.is_enabled()):
         scaler.step(optimizer)
         scaler.update()
@@ -237,9 +290,14 @@ class Strategy:
                     state.optimizer.zero_grad(set_to_none=True)
                 state.scaler.scale(loss / accum).backward()
             meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
+        self.reduce_gradients(model)
         clip = self.cfg.OPTIM.CLIP_GRAD_NORM
         check_skip = state.ema is not None
         return step_optimizer(model, state.optimizer, state.scaler, clip, check_skip)
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """Finish the gradients after the last backward of a step, where the
+        strategy reduces them itself (DDP and FSDP do it during backward)."""
 
     # --- evaluation ------------------------------------------------------ #
     def eval_model(self, model: nn.Module) -> nn.Module:

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -58,14 +58,17 @@ def shard_fully(
     device: torch.device,
     cpu_offload: bool,
     param_dtype: torch.dtype | None,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
-    """FSDP2 (ZeRO-3): shard every block, then the rest, over all ranks.
+    """FSDP2 (ZeRO-3): shard every block, then the rest, over all ranks (or
+    over the 1-D ``mesh``).
 
     ``param_dtype``: the dtype of the gathered parameters that the forward and
     backward passes compute with (None: as stored).
     """
+    mesh = mesh or init_device_mesh(device.type, (du.get_world_size(),))
     options = {
-        "mesh": init_device_mesh(device.type, (du.get_world_size(),)),
+        "mesh": mesh,
         "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")
         if cpu_offload
         else OffloadPolicy(),
@@ -89,7 +92,7 @@ def shard_fully(
     logger.info(
         "FSDP: parameters, gradients and optimizer state sharded over %d ranks "
         "in %d blocks + the rest%s",
-        du.get_world_size(),
+        mesh.size(),
         len(blocks),
         "; parameters and gradients kept in host memory" * cpu_offload,
     )
@@ -141,8 +144,13 @@ class FSDPStrategy(Strategy):
         offload = self.cfg.DIST.FSDP_CPU_OFFLOAD
         return shard_fully(model, self.device, offload, self.amp_dtype)
 
-    def forward_is_collective(self, model: nn.Module) -> bool:
+    def spread(self, model: nn.Module) -> bool:
+        """Whether ``model``'s weights are DTensors spread over the ranks (its
+        state then goes through DCP and torch's distributed state_dict API)."""
         return is_sharded(model)
+
+    def forward_is_collective(self, model: nn.Module) -> bool:
+        return self.spread(model)
 
     @contextlib.contextmanager
     def gradient_sync(self, model: nn.Module, sync: bool) -> Iterator[None]:
@@ -158,12 +166,12 @@ class FSDPStrategy(Strategy):
 
     def model_state_dict(self, model: nn.Module) -> dict:
         """Gathered on rank 0's CPU ({} elsewhere); a collective."""
-        if not is_sharded(model):
+        if not self.spread(model):
             return super().model_state_dict(model)
         return get_model_state_dict(model, options=WHOLE)
 
     def load_model_state(self, model: nn.Module, weights: dict, strict=True) -> None:
-        if not is_sharded(model):
+        if not self.spread(model):
             super().load_model_state(model, weights, strict)
             return
         options = dataclasses.replace(WHOLE, strict=strict)
@@ -173,7 +181,7 @@ class FSDPStrategy(Strategy):
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict:
         """Gathered, keyed by parameter name instead of index; a collective."""
-        if not is_sharded(model):
+        if not self.spread(model):
             return super().optimizer_state_dict(model, optimizer)
         return get_optimizer_state_dict(model, optimizer, options=WHOLE)
 
@@ -181,7 +189,7 @@ class FSDPStrategy(Strategy):
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
     ) -> None:
         """A state keyed by index (saved under DDP or ZeRO) is renamed first."""
-        if not is_sharded(model):
+        if not self.spread(model):
             super().load_optimizer_state(model, optimizer, state)
             return
         if not keyed_by_name(state):
@@ -191,7 +199,7 @@ class FSDPStrategy(Strategy):
 
     def save_weights(self, model, optimizer, ema, out_dir: str, name: str) -> dict:
         """Every rank writes its shards (the EMA's too); nothing is gathered."""
-        if not is_sharded(model):
+        if not self.spread(model):
             return super().save_weights(model, optimizer, ema, out_dir, name)
         shards = sharded_state(model, optimizer)
         if ema is not None:
@@ -201,7 +209,7 @@ class FSDPStrategy(Strategy):
 
     def load_weights(self, model, optimizer, saved, ema) -> bool:
         """Each rank reads its own shards of a sharded checkpoint."""
-        if not (saved.is_sharded and is_sharded(model)):
+        if not (saved.is_sharded and self.spread(model)):
             return super().load_weights(model, optimizer, saved, ema)
         directory = cp.shards_of(saved.path, saved.state)
         load_sharded_state(model, optimizer, directory)

@@ -67,6 +67,8 @@ from distribuuuu.state import (
 from distribuuuu.strategies.base import (
     MicroBatch,
     Strategy,
+    average_gradients,
+    broadcast_model,
     keyed_by_name,
     own_groups_by_name,
     parameter_names,
@@ -190,13 +192,6 @@ class _WholeShapes:
         }
 
 
-def _sync_from_rank0(model: nn.Module) -> None:
-    """Every rank's whole model made rank 0's before it is cut (the ranks
-    built it from different seeds)."""
-    for tensor in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(tensor.data, 0)
-
-
 class PipelineStrategy(Strategy):
     """Stages of the model on the ranks of a pipeline; data parallel across
     pipelines."""
@@ -240,8 +235,7 @@ class PipelineStrategy(Strategy):
         self.stage = mesh.get_local_rank("pp")
         self.dp_size = self.world // self.stages
         base = du.get_rank() - self.stage
-        if du.is_distributed():
-            _sync_from_rank0(model)
+        broadcast_model(model)
         steps, bounds = plan_split(model, self.cfg)
         logger.info(
             "pipeline: %d stages x %d data-parallel, %s schedule, %d micro-batches; "
@@ -330,27 +324,11 @@ class PipelineStrategy(Strategy):
                 meter.update(loss_sum, logits.detach(), targets)
                 seen.clear()
         params = list(state.model.parameters())
-        self._average_gradients(params)
+        average_gradients(params, self.dp_group, self.dp_size)
         clip = self.cfg.OPTIM.CLIP_GRAD_NORM
         if clip > 0:
             self._clip_global_norm(params, clip)
         return step_optimizer(state.model, state.optimizer, state.scaler, 0.0)
-
-    def _average_gradients(self, params: list[nn.Parameter]) -> None:
-        """One all-reduce of this stage's gradients over its replicas."""
-        if self.dp_size == 1:
-            return
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        grads = [param.grad for param in params]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.dp_size
-        for grad, reduced in zip(
-            grads, torch._utils._unflatten_dense_tensors(flat, grads)
-        ):
-            grad.copy_(reduced)
 
     def _clip_global_norm(self, params: list[nn.Parameter], max_norm: float) -> None:
         """Clip by the norm of the gradients of all stages together."""

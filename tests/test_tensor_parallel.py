@@ -1,0 +1,198 @@
+"""DIST.TENSOR_PARALLEL: Megatron-style blocks on real gloo ranks compute what
+one process computes; ddp and fsdp over the replicas; bad layouts refused."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from helpers import (
+    assert_ok,
+    call_main,
+    read_metrics,
+    run_on_ranks,
+    torchrun,
+    train_net,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from distribuuuu.models import build_model
+from distribuuuu.models.vit import fuse_qkv, split_torchvision_attention
+from distribuuuu.strategies.base import average_gradients, clip_gradients
+from distribuuuu.tensor_parallel import check_tensor_parallel, parallelize
+
+VIT = ["--cfg", "config/digits_vit_tiny.yaml", "OPTIM.MAX_EPOCH", "1"]
+# One epoch of 16 steps of 64 (a quarter of the digits' time), 1000 val images.
+SHORT = [*VIT, "DATA.NAME", "synthetic", "DATA.SYNTHETIC_SIZE", "[1024,1000]"]
+
+
+def _small_torchvision_vit() -> torch.nn.Module:
+    return torchvision.models.VisionTransformer(32, 8, 2, 4, 32, 64, num_classes=10)
+
+
+def test_the_split_torchvision_attention_computes_the_same_and_keeps_the_keys():
+    torch.manual_seed(0)
+    model = _small_torchvision_vit().eval()
+    saved = model.state_dict()
+    x = torch.randn(2, 3, 32, 32)
+    expected = model(x)
+    assert split_torchvision_attention(model) == 2
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-6)
+    assert model.state_dict().keys() == saved.keys()  # in_proj_* as torchvision's
+    plain = _small_torchvision_vit().eval()
+    plain.load_state_dict(model.state_dict())  # and back into the fused layer
+    torch.testing.assert_close(plain(x), expected, rtol=0, atol=1e-6)
+    split = {k: v for k, v in model.named_parameters()}
+    fused = fuse_qkv({k: v.detach() for k, v in split.items()})
+    assert fused.keys() == {k for k, _ in plain.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("arch", "size", "message"),
+    [
+        ("resnet20", 2, "SmallResNet has no tensor-parallel plan"),
+        ("vit_tiny_patch4", 3, "must divide the model's heads 4"),
+        ("vit_tiny_patch4", 8, "must divide the model's heads 4"),
+    ],
+)
+def test_models_that_cannot_be_split_are_refused(arch, size, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as caught:
+        check_tensor_parallel(build_model(arch, 10), size)
+    assert "DIST.TENSOR_PARALLEL" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--num-procs", "2", "MODEL.ARCH", "resnet20"], "has no tensor-parallel"),
+        (["--num-procs", "3"], "DIST.TENSOR_PARALLEL 3 must divide the model's heads"),
+        (["--num-procs", "3", "DIST.TENSOR_PARALLEL", "2"], "must divide the world"),
+        (["DIST.STRATEGY", "pipeline"], "cannot be combined with DIST.TENSOR_PARALLEL"),
+        (["TRAIN.MIXED_PRECISION", "fp16"], "not supported with DIST.TENSOR_PARALLEL"),
+    ],
+)
+def test_bad_tensor_parallel_runs_exit_2_and_write_nothing(tmp_path, args, message):
+    out = tmp_path / "out"
+    size = "3" if args[:2] == ["--num-procs", "3"] else "2"
+    tp = [] if "DIST.TENSOR_PARALLEL" in args else ["DIST.TENSOR_PARALLEL", size]
+    arch = [] if "MODEL.ARCH" in args else ["MODEL.ARCH", "vit_tiny_patch4"]
+    result = call_main(*args, *tp, *arch, "OUT_DIR", str(out))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+    assert not out.exists()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _one_step(rank: int, world: int, arch: str, dp: int) -> dict:
+    """Logits, gradients (clipped) and weights after one SGD step, of one
+    process and of ``world // dp`` tensor-parallel ranks x ``dp`` replicas
+    (fsdp over them when ``dp`` > 1); each replica gets its half of the batch."""
+    torch.manual_seed(0)
+    reference = build_model(arch, 10) if arch else _small_torchvision_vit()
+    model = build_model(arch, 10) if arch else _small_torchvision_vit()
+    model.load_state_dict(reference.state_dict())
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    parallelize(model, mesh["tp"])
+    if dp > 1:
+        fully_shard(model, mesh=mesh["dp"])
+    size = 32 if not arch else 28
+    images, targets = torch.randn(8, 3, size, size), torch.randint(0, 10, (8,))
+    replica = mesh.get_local_rank("dp")
+    mine = (images.chunk(dp)[replica], targets.chunk(dp)[replica])
+    results = {"rank": rank}
+    for name, net, (x, t) in (
+        ("one", reference, (images, targets)),
+        ("tp", model, mine),
+    ):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        logits = net(x)
+        F.cross_entropy(logits, t).backward()
+        clip_gradients(list(net.parameters()), 0.5)
+        results[f"{name}_logits"] = _full(logits).detach()
+        named = list(net.named_parameters())
+        # fuse_qkv: the split attention's entries under torchvision's names
+        results[f"{name}_grads"] = fuse_qkv({k: _full(p.grad) for k, p in named})
+        optimizer.step()
+        results[f"{name}_weights"] = fuse_qkv({k: _full(p) for k, p in named})
+    return results
+
+
+def _assert_equal_step(results: list[dict], dp: int) -> None:
+    for result in results:
+        logits = result["tp_logits"]
+        half = result["one_logits"].chunk(dp)
+        assert any(torch.allclose(logits, h, atol=1e-5, rtol=0) for h in half)
+        for kind in ("grads", "weights"):
+            expected, actual = result[f"one_{kind}"], result[f"tp_{kind}"]
+            assert expected.keys() == actual.keys()
+            for key, value in expected.items():
+                torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["vit_tiny_patch4", ""])  # "": torchvision's ViT
+def test_two_tensor_parallel_ranks_compute_one_process_step(tmp_path, arch):
+    _assert_equal_step(run_on_ranks(2, _one_step, (arch, 1), str(tmp_path)), 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_times_tensor_parallel_on_four_ranks_computes_one_process_step(tmp_path):
+    _assert_equal_step(
+        run_on_ranks(4, _one_step, ("vit_tiny_patch4", 2), str(tmp_path)), 2
+    )
+
+
+def test_average_gradients_skips_a_single_replica():
+    param = torch.nn.Parameter(torch.ones(2))
+    average_gradients([param], None, 1)
+    assert param.grad is None
+
+
+def _val_loss(out: str) -> float:
+    (val,) = read_metrics(out, "val")
+    assert val["samples"] == 1000  # each validation image once
+    return val["loss"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_an_epoch_under_tensor_parallel_ends_like_one_process(tmp_path):
+    """vit_tiny_patch4, one epoch: TP 2 on 2 ranks against one process; the
+    tensor-parallel ranks hold at most 0.6 of its parameters each."""
+    one, tp = str(tmp_path / "one"), str(tmp_path / "tp")
+    assert_ok(train_net(*SHORT, "OUT_DIR", one))
+    result = torchrun(2, *SHORT, "DIST.TENSOR_PARALLEL", "2", "OUT_DIR", tp)
+    assert_ok(result)
+    assert _val_loss(tp) == pytest.approx(_val_loss(one), rel=1e-4)
+    memory = re.search(r"memory: ([\d.]+) MiB of parameters", result.stdout)
+    whole = re.search(r"memory: ([\d.]+) MiB of parameters", read_log(one))
+    assert float(memory.group(1)) <= 0.6 * float(whole.group(1))
+
+
+def read_log(out: str) -> str:
+    with open(f"{out}/log.txt", encoding="utf-8") as f:
+        return f.read()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_an_epoch_of_fsdp_times_tensor_parallel_ends_like_one_process(tmp_path):
+    """2 replicas (fsdp) x TP 2 on 4 ranks, 32 images per replica, against
+    one process with batches of 64."""
+    one, both = str(tmp_path / "one"), str(tmp_path / "both")
+    assert_ok(train_net(*SHORT, "OUT_DIR", one))
+    layout = ["DIST.TENSOR_PARALLEL", "2", "DIST.STRATEGY", "fsdp"]
+    batch = ["TRAIN.BATCH_SIZE", "32"]
+    assert_ok(torchrun(4, *SHORT, *batch, *layout, "OUT_DIR", both))
+    assert _val_loss(both) == pytest.approx(_val_loss(one), rel=1e-4)
