@@ -3,6 +3,7 @@ one process computes; ddp and fsdp over the replicas; bad layouts refused."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -196,3 +197,37 @@ def test_an_epoch_of_fsdp_times_tensor_parallel_ends_like_one_process(tmp_path):
     batch = ["TRAIN.BATCH_SIZE", "32"]
     assert_ok(torchrun(4, *SHORT, *batch, *layout, "OUT_DIR", both))
     assert _val_loss(both) == pytest.approx(_val_loss(one), rel=1e-4)
+
+
+def _whole_state_round_trip(rank: int, world: int, out_dir: str) -> dict:
+    """A torchvision ViT under TP 2: its whole state dict, loaded back, saved
+    as a sharded checkpoint and read whole."""
+    from distribuuuu import checkpoint as cp
+    from distribuuuu.config import load_cfg
+    from distribuuuu.strategies import build_strategy
+
+    cfg = load_cfg(None, ["DIST.TENSOR_PARALLEL", "2", "MODEL.ARCH", "vit_b_32"])
+    strategy = build_strategy(cfg, torch.device("cpu"))
+    torch.manual_seed(0)
+    plain = _small_torchvision_vit()
+    model = strategy.prepare_model(_small_torchvision_vit())
+    strategy.load_model_state(model, plain.state_dict())
+    whole = strategy.model_state_dict(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    entries = strategy.save_weights(model, optimizer, None, out_dir, "ckpt")
+    path = os.path.join(out_dir, "checkpoints", "ckpt.pth")
+    if rank == 0:
+        torch.save({"epoch": 0, **entries}, path)
+    torch.distributed.barrier()
+    return {"plain": plain.state_dict(), "whole": whole, "read": cp.load_full(path)}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_tensor_parallel_torchvision_vit_saves_torchvision_keys(tmp_path):
+    result = run_on_ranks(2, _whole_state_round_trip, (str(tmp_path),), str(tmp_path))
+    plain = result[0]["plain"]
+    for whole in (result[0]["whole"], result[0]["read"]["model"]):
+        assert whole.keys() == plain.keys()
+        for key, value in plain.items():
+            assert torch.equal(whole[key], value), key

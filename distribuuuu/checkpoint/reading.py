@@ -29,7 +29,9 @@ from distribuuuu.checkpoint.shards import (
     verify_shards,
 )
 from distribuuuu.logger import FILE_ONLY
+from distribuuuu.models.vit import fuse_qkv
 from distribuuuu.state import (
+    MODEL,
     is_sharded_checkpoint,
     is_training_checkpoint,
     model_weights,
@@ -44,6 +46,9 @@ def load_full(path: str) -> Any:
     state = load_file(path)
     if is_sharded_checkpoint(state):
         state = {**state, **read_sharded(shards_of(path, state))}
+        # A tensor-parallel torchvision ViT saves its attention split.
+        if isinstance(state.get(MODEL), dict):
+            state[MODEL] = fuse_qkv(state[MODEL])
     return state
 
 

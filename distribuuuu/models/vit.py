@@ -74,11 +74,23 @@ def _fuse_on_save(module, state: dict, prefix: str, local_metadata) -> None:
 
 
 def _split_on_load(state: dict, prefix: str, *args) -> None:
-    for kind in ("weight", "bias"):
-        fused = state.pop(f"{prefix}in_proj_{kind}", None)
-        if fused is not None:
-            for name, part in zip("qkv", fused.chunk(3)):
-                state[f"{prefix}{name}.{kind}"] = part
+    split_qkv(state, prefix)
+
+
+def split_qkv(state: dict, prefix: str | None = None) -> dict:
+    """The inverse of :func:`fuse_qkv`: torchvision's ``in_proj_*`` entries
+    (under ``prefix``, or every ``self_attention.`` one) cut into q, k, v."""
+    prefixes = [prefix] if prefix is not None else [
+        key[: -len("in_proj_weight")] for key in state
+        if key.endswith("self_attention.in_proj_weight")
+    ]  # fmt: skip
+    for start in prefixes:
+        for kind in ("weight", "bias"):
+            fused = state.pop(f"{start}in_proj_{kind}", None)
+            if fused is not None:
+                for name, part in zip("qkv", fused.chunk(3)):
+                    state[f"{start}{name}.{kind}"] = part
+    return state
 
 
 def fuse_qkv(state: dict, prefix: str | None = None) -> dict:

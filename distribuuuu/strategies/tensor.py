@@ -20,6 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from yacs.config import CfgNode
 
 from distribuuuu import distributed as du
+from distribuuuu.checkpoint import weights_in
+from distribuuuu.models.vit import fuse_qkv, split_qkv
 from distribuuuu.strategies.base import average_gradients, broadcast_model
 from distribuuuu.strategies.fsdp import FSDPStrategy, shard_fully
 from distribuuuu.tensor_parallel import check_tensor_parallel, parallelize
@@ -76,6 +78,19 @@ class TensorParallelStrategy(FSDPStrategy):
     def holds_outputs(self, model: nn.Module) -> bool:
         """The ranks of a replica all get its logits; the first one counts."""
         return self.tp_rank == 0
+
+    # Whole state dicts carry torchvision's fused attention keys (a split
+    # attention's q, k, v are DTensors, which its state_dict hook leaves apart),
+    # so that best.pth and the tools load them into a plain torchvision ViT.
+    def model_state_dict(self, model: nn.Module) -> dict:
+        return fuse_qkv(super().model_state_dict(model))
+
+    def load_model_state(self, model: nn.Module, weights: dict, strict=True) -> None:
+        super().load_model_state(model, split_qkv(dict(weights)), strict)
+
+    def load_model_weights(self, model, weights, path, finetune_classes=None):
+        weights = split_qkv(dict(weights_in(weights)))
+        return super().load_model_weights(model, weights, path, finetune_classes)
 
     def reduce_gradients(self, model: nn.Module) -> None:
         """Under ddp: this rank's gradient shards averaged over the replicas
