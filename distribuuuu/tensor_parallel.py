@@ -8,6 +8,13 @@ columns and its second by rows.  Each block's forward then needs two
 all-reduces of the activations (after the attention, after the MLP), and its
 backward two more; embeddings, norms and the head stay whole on every rank.
 
+With sequence parallelism (``DIST.SEQUENCE_PARALLEL``; Korthikanti et al.,
+"Reducing Activation Recomputation in Large Transformer Models", 2022) the
+norms (and torchvision's dropouts) work on each rank's share of the tokens
+instead of all of them: each all-reduce becomes a reduce-scatter after the
+row-parallel layer and an all-gather before the column-parallel one, the same
+traffic, and the activations outside attention and MLP are split too.
+
 Models with a plan: ``vit_tiny_patch4`` and torchvision's ``vit_*`` (whose
 fused ``nn.MultiheadAttention`` is replaced by an equal attention with q, k
 and v apart, :func:`~distribuuuu.models.vit.split_torchvision_attention`).
@@ -17,9 +24,13 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -32,19 +43,37 @@ def _torchvision_vit():
     return VisionTransformer
 
 
-def _blocks(model: nn.Module) -> list[tuple[str, str, str]]:
-    """(block name, attention name, MLP names) of each transformer block,
-    or [] for a model without a plan."""
+def _blocks(model: nn.Module) -> list[tuple[str, str, tuple, tuple]]:
+    """(block, attention, (fc1, fc2), token-wise layers) of each transformer
+    block, or [] for a model without a plan."""
     if isinstance(model, vit.VisionTransformer):
+        norms = ("norm1", "norm2")
         return [
-            (f"blocks.{i}", "attn", ("fc1", "fc2")) for i in range(len(model.blocks))
+            (f"blocks.{i}", "attn", ("fc1", "fc2"), norms)
+            for i in range(len(model.blocks))
         ]
     if isinstance(model, _torchvision_vit()):
+        # ln_1, the dropout after attention, ln_2 (the MLP's own dropouts
+        # follow its row-parallel layer and act on local tokens as they are)
+        token_wise = ("ln_1", "dropout", "ln_2")
         return [
-            (f"encoder.layers.{name}", "self_attention", ("mlp.0", "mlp.3"))
+            (f"encoder.layers.{name}", "self_attention", ("mlp.0", "mlp.3"), token_wise)
             for name, _ in model.encoder.layers.named_children()
         ]
     return []
+
+
+def _stack(model: nn.Module) -> str:
+    """The Sequential of transformer blocks."""
+    return "blocks" if isinstance(model, vit.VisionTransformer) else "encoder.layers"
+
+
+def tokens(model: nn.Module, image_size: int) -> int:
+    """The sequence length of ``model`` on ``image_size`` px images."""
+    if isinstance(model, vit.VisionTransformer):
+        patch = model.patch_embed.kernel_size[0]
+        return (image_size // patch) ** 2 + 1
+    return model.seq_length
 
 
 def _sizes(model: nn.Module) -> tuple[int, int, int]:
@@ -60,8 +89,11 @@ def _sizes(model: nn.Module) -> tuple[int, int, int]:
     )
 
 
-def check_tensor_parallel(model: nn.Module, size: int) -> None:
-    """Raise ValueError unless ``model`` can be split over ``size`` ranks."""
+def check_tensor_parallel(
+    model: nn.Module, size: int, sequence_parallel: bool = False, image_size: int = 0
+) -> None:
+    """Raise ValueError unless ``model`` can be split over ``size`` ranks (its
+    tokens too, with ``sequence_parallel``, on ``image_size`` px images)."""
     if not _blocks(model):
         raise ValueError(
             f"DIST.TENSOR_PARALLEL {size}: {type(model).__name__} has no tensor-"
@@ -73,16 +105,44 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
             raise ValueError(
                 f"DIST.TENSOR_PARALLEL {size} must divide the model's {what} {value}"
             )
+    count = tokens(model, image_size)
+    if sequence_parallel and count % size:
+        raise ValueError(
+            f"DIST.SEQUENCE_PARALLEL: DIST.TENSOR_PARALLEL {size} must divide the "
+            f"{count} tokens (patches + class token) of {image_size} px images"
+        )
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Split ``model``'s transformer blocks over the 1-D ``mesh``, in place."""
+def parallelize(
+    model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False
+) -> nn.Module:
+    """Split ``model``'s transformer blocks over the 1-D ``mesh``, in place
+    (their token-wise layers over the tokens with ``sequence_parallel``)."""
     vit.split_torchvision_attention(model)
+    tokens_split = Shard(1) if sequence_parallel else Replicate()
     plan = {}
-    for block, attention, (fc1, fc2) in _blocks(model):
+    for block, attention, (fc1, fc2), token_wise in _blocks(model):
         for name in ("q", "k", "v"):
             plan[f"{block}.{attention}.{name}"] = ColwiseParallel()
-        plan[f"{block}.{attention}.out_proj"] = RowwiseParallel()
-        plan[f"{block}.{fc1}"] = ColwiseParallel()
-        plan[f"{block}.{fc2}"] = RowwiseParallel()
+        plan[f"{block}.{attention}.out_proj"] = RowwiseParallel(
+            output_layouts=tokens_split
+        )
+        plan[f"{block}.{fc1}"] = ColwiseParallel(input_layouts=tokens_split)
+        plan[f"{block}.{fc2}"] = RowwiseParallel(output_layouts=tokens_split)
+        if sequence_parallel:
+            for name in token_wise:
+                plan[f"{block}.{name}"] = SequenceParallel(use_local_output=True)
+            # torchvision calls its attention with (x, x, x)
+            inputs = (Shard(1),) * (3 if attention == "self_attention" else 1)
+            plan[f"{block}.{attention}"] = PrepareModuleInput(
+                input_layouts=inputs, desired_input_layouts=(Replicate(),) * len(inputs)
+            )
+    if sequence_parallel:  # the tokens split before the blocks, whole after
+        plan[_stack(model)] = PrepareModuleInputOutput(
+            input_layouts=Replicate(),
+            desired_input_layouts=Shard(1),
+            use_local_input=True,
+            output_layouts=Shard(1),
+            desired_output_layouts=Replicate(),
+        )
     return parallelize_module(model, mesh, plan)

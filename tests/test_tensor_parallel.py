@@ -33,14 +33,15 @@ SHORT = [*VIT, "DATA.NAME", "synthetic", "DATA.SYNTHETIC_SIZE", "[1024,1000]"]
 
 
 def _small_torchvision_vit() -> torch.nn.Module:
-    return torchvision.models.VisionTransformer(32, 8, 2, 4, 32, 64, num_classes=10)
+    """torchvision's ViT class at a small size: 28 px, patches of 4 (50 tokens)."""
+    return torchvision.models.VisionTransformer(28, 4, 2, 4, 32, 64, num_classes=10)
 
 
 def test_the_split_torchvision_attention_computes_the_same_and_keeps_the_keys():
     torch.manual_seed(0)
     model = _small_torchvision_vit().eval()
     saved = model.state_dict()
-    x = torch.randn(2, 3, 32, 32)
+    x = torch.randn(2, 3, 28, 28)
     expected = model(x)
     assert split_torchvision_attention(model) == 2
     torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-6)
@@ -75,6 +76,11 @@ def test_models_that_cannot_be_split_are_refused(arch, size, message):
         (["--num-procs", "3", "DIST.TENSOR_PARALLEL", "2"], "must divide the world"),
         (["DIST.STRATEGY", "pipeline"], "cannot be combined with DIST.TENSOR_PARALLEL"),
         (["TRAIN.MIXED_PRECISION", "fp16"], "not supported with DIST.TENSOR_PARALLEL"),
+        (
+            ["--num-procs", "2", "DIST.SEQUENCE_PARALLEL", "True"]
+            + ["TRAIN.IM_SIZE", "32", "TEST.IM_SIZE", "32"],
+            "must divide the 65 tokens (patches + class token) of 32 px images",
+        ),
     ],
 )
 def test_bad_tensor_parallel_runs_exit_2_and_write_nothing(tmp_path, args, message):
@@ -93,7 +99,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _one_step(rank: int, world: int, arch: str, dp: int) -> dict:
+def _one_step(rank: int, world: int, arch: str, dp: int, sp: bool = False) -> dict:
     """Logits, gradients (clipped) and weights after one SGD step, of one
     process and of ``world // dp`` tensor-parallel ranks x ``dp`` replicas
     (fsdp over them when ``dp`` > 1); each replica gets its half of the batch."""
@@ -102,11 +108,10 @@ def _one_step(rank: int, world: int, arch: str, dp: int) -> dict:
     model = build_model(arch, 10) if arch else _small_torchvision_vit()
     model.load_state_dict(reference.state_dict())
     mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
-    parallelize(model, mesh["tp"])
+    parallelize(model, mesh["tp"], sequence_parallel=sp)
     if dp > 1:
         fully_shard(model, mesh=mesh["dp"])
-    size = 32 if not arch else 28
-    images, targets = torch.randn(8, 3, size, size), torch.randint(0, 10, (8,))
+    images, targets = torch.randn(8, 3, 28, 28), torch.randint(0, 10, (8,))
     replica = mesh.get_local_rank("dp")
     mine = (images.chunk(dp)[replica], targets.chunk(dp)[replica])
     results = {"rank": rank}
@@ -142,8 +147,10 @@ def _assert_equal_step(results: list[dict], dp: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["vit_tiny_patch4", ""])  # "": torchvision's ViT
-def test_two_tensor_parallel_ranks_compute_one_process_step(tmp_path, arch):
-    _assert_equal_step(run_on_ranks(2, _one_step, (arch, 1), str(tmp_path)), 1)
+@pytest.mark.parametrize("sp", [False, True], ids=["", "sequence-parallel"])
+def test_two_tensor_parallel_ranks_compute_one_process_step(tmp_path, arch, sp):
+    results = run_on_ranks(2, _one_step, (arch, 1, sp), str(tmp_path))
+    _assert_equal_step(results, 1)
 
 
 @pytest.mark.distributed

@@ -293,6 +293,9 @@ _C.DIST.FSDP_CPU_OFFLOAD = False
 # torchvision's vit_*), with DIST.STRATEGY ddp or fsdp over the replicas. The
 # ranks of a block share its batches: TRAIN.BATCH_SIZE counts per replica
 _C.DIST.TENSOR_PARALLEL = 1
+# With DIST.TENSOR_PARALLEL: the norms work on each rank's share of the tokens
+# (sequence parallelism); TENSOR_PARALLEL must divide the tokens
+_C.DIST.SEQUENCE_PARALLEL = False
 # Pipeline parallelism (DIST.STRATEGY pipeline), with torch.distributed.pipelining.
 # The processes of one pipeline share one batch: TRAIN.BATCH_SIZE counts per
 # pipeline, and BatchNorm sees micro-batches (as in GPipe)

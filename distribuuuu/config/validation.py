@@ -197,6 +197,12 @@ def _validate_dist(cfg: CfgNode) -> None:
         )
     if cfg.DIST.STRATEGY == "pipeline":
         _validate_pipeline(cfg)
+    _check(
+        not cfg.DIST.SEQUENCE_PARALLEL or cfg.DIST.TENSOR_PARALLEL > 1,
+        "DIST.SEQUENCE_PARALLEL",
+        True,
+        "needs DIST.TENSOR_PARALLEL > 1",
+    )
     if cfg.DIST.TENSOR_PARALLEL > 1:
         _check(
             cfg.DIST.STRATEGY in ("ddp", "fsdp"),

@@ -46,7 +46,8 @@ class TensorParallelStrategy(FSDPStrategy):
                 f"DIST.TENSOR_PARALLEL {size} must divide the world size "
                 f"{world_size} (the processes; the rest of it is data parallel)"
             )
-        check_tensor_parallel(skeleton(), size)
+        sequence = cfg.DIST.SEQUENCE_PARALLEL
+        check_tensor_parallel(skeleton(), size, sequence, cfg.TRAIN.IM_SIZE)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         size, world = self.cfg.DIST.TENSOR_PARALLEL, du.get_world_size()
@@ -57,7 +58,7 @@ class TensorParallelStrategy(FSDPStrategy):
         self.tp_rank = mesh.get_local_rank("tp")
         model = model.to(self.device)
         broadcast_model(model)  # the replicas and the shards start from rank 0's
-        parallelize(model, mesh["tp"])
+        parallelize(model, mesh["tp"], self.cfg.DIST.SEQUENCE_PARALLEL)
         self.sharded_replicas = self.cfg.DIST.STRATEGY == "fsdp" and self.dp_size > 1
         if self.sharded_replicas:
             offload = self.cfg.DIST.FSDP_CPU_OFFLOAD
@@ -67,9 +68,10 @@ class TensorParallelStrategy(FSDPStrategy):
 
     def describe(self, model: nn.Module) -> str:
         over = "fsdp" if self.sharded_replicas else "ddp"
+        sequence = ", sequence parallel" * self.cfg.DIST.SEQUENCE_PARALLEL
         return (
-            f"tensor parallel ({self.cfg.DIST.TENSOR_PARALLEL} ranks per block) x "
-            f"{over} over {self.dp_size} replica(s)"
+            f"tensor parallel ({self.cfg.DIST.TENSOR_PARALLEL} ranks per block"
+            f"{sequence}) x {over} over {self.dp_size} replica(s)"
         )
 
     def spread(self, model: nn.Module) -> bool:
