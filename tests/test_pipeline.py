@@ -45,6 +45,7 @@ def _small_vit() -> torch.nn.Module:
 FAMILIES = {
     "resnet8": lambda: build_model("resnet8", 10),
     "lenet5": lambda: build_model("lenet5", 10),
+    "vit_tiny_patch4": lambda: build_model("vit_tiny_patch4", 10),
     "resnet18": lambda: build_model("resnet18", 10),
     "regnet_y_400mf": lambda: build_model("regnet_y_400mf", 10),
     "efficientnet_b0": lambda: build_model("efficientnet_b0", 10),
@@ -240,6 +241,18 @@ def test_a_pipeline_checkpoint_resumes_on_other_layouts(tmp_path):
         assert "resumed from" in result.stdout
     expected = _final_weights(str(tmp_path / "one_process"))
     actual = _final_weights(str(tmp_path / "four_stages"))
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=1e-4, atol=1e-5)
+    # And back: the one process's whole checkpoint (optimizer state by index)
+    # goes on on two stages, each taking its parameters' entries.
+    third = [*gentle, "OPTIM.MAX_EPOCH", "3"]
+    for name in ("one_more", "two_more"):
+        shutil.copytree(str(tmp_path / "one_process"), str(tmp_path / name))
+    assert_ok(train_net(*third, "OUT_DIR", str(tmp_path / "one_more")))
+    two = torchrun(2, *third, *PIPELINE, "OUT_DIR", str(tmp_path / "two_more"))
+    assert_ok(two)
+    expected = _final_weights(str(tmp_path / "one_more"))
+    actual = _final_weights(str(tmp_path / "two_more"))
     for key, value in expected.items():
         torch.testing.assert_close(actual[key], value, rtol=1e-4, atol=1e-5)
 

@@ -71,7 +71,6 @@ from distribuuuu.strategies.base import (
     broadcast_model,
     keyed_by_name,
     own_groups_by_name,
-    parameter_names,
     rekey_optimizer_state,
     step_optimizer,
 )
@@ -192,6 +191,16 @@ class _WholeShapes:
         }
 
 
+def whole_optimizer_order(model: nn.Module, optim_cfg: CfgNode) -> list[str]:
+    """The names of ``model``'s parameters in the order of the whole optimizer
+    (that a whole optimizer state's indices follow)."""
+    groups = optim.build_param_groups(model, optim_cfg)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    owner = {param: name for name, param in model.named_parameters()}
+    return [owner[p] for group in groups for p in group["params"]]
+
+
 class PipelineStrategy(Strategy):
     """Stages of the model on the ranks of a pipeline; data parallel across
     pipelines."""
@@ -249,9 +258,7 @@ class PipelineStrategy(Strategy):
             describe_split(model, steps, bounds),
         )  # fmt: skip
         self.whole = _WholeShapes(model)
-        whole_optimizer = optim.build_optimizer(model, self.cfg.OPTIM)
-        self.whole_names = parameter_names(model, whole_optimizer)
-        del whole_optimizer
+        self.whole_names = whole_optimizer_order(model, self.cfg.OPTIM)
         ends = [*bounds[1:], len(steps)]
         self.indices = list(range(self.stage, self.pieces, self.stages))
         mine = [steps[bounds[i] : ends[i]] for i in self.indices]
