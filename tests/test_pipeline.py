@@ -289,3 +289,10 @@ def test_accumulation_clipping_and_ema_under_a_pipeline(tmp_path):
                          "OUT_DIR", str(tmp_path / "eval"))  # fmt: skip
     assert_ok(evaluated)
     assert "samples 1000" in evaluated.stdout
+    # Whole weights (one process's best.pth) checked against the whole model,
+    # each stage loading its layers.
+    start = ["MODEL.WEIGHTS", os.path.join(one, cp.BEST_WEIGHTS)]
+    out = ["OUT_DIR", str(tmp_path / "from_weights")]
+    loaded = torchrun(2, "--dry-run", *LENET, *PIPELINE, *start, *out)
+    assert_ok(loaded)
+    assert "loaded weights from" in loaded.stdout

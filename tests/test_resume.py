@@ -39,6 +39,9 @@ RUN = [
 ]
 
 
+PIPELINE = ["DIST.STRATEGY", "pipeline"]
+
+
 def _command(nproc: int, args: list[str]) -> list[str]:
     if nproc == 1:
         return [sys.executable, TRAIN_NET, *args]
@@ -167,9 +170,12 @@ def _worker_pid(torchrun_pid: int, rank: int) -> int:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_sigusr1_to_one_rank_stops_all_at_a_step_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize(
+    "more", [[], ["DIST.STRATEGY", "pipeline"]], ids=["", "pipeline"]
+)
+def test_sigusr1_to_one_rank_stops_all_at_a_step_with_a_checkpoint(tmp_path, more):
     out = str(tmp_path)
-    args = [*FAST, "OPTIM.MAX_EPOCH", "2", "OUT_DIR", out]
+    args = [*FAST, "OPTIM.MAX_EPOCH", "2", *more, "OUT_DIR", out]
     proc = start(_command(2, args))
     try:
         deadline = time.time() + 120
