@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from distribuuuu.distributed import release_groups
 from distribuuuu.launch import find_free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -221,6 +222,9 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> N
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+        # Device meshes keep gloo groups alive past exit, which can abort the
+        # finished process (see distribuuuu.distributed.release_groups).
+        release_groups()
 
 
 def run_on_ranks(world: int, fn, args: tuple, out_dir: str) -> list:
