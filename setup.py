@@ -27,9 +27,11 @@ setup(
         "mlxtend",
     ],
     extras_require={
-        # timm too, so that the tests of its models run instead of skipping.
-        "dev": ["pytest>=7", "pytest-xdist>=3", "ruff==0.17.6", "timm"],
+        # timm and DeepSpeed too, so that the tests of their parts run
+        # instead of skipping.
+        "dev": ["pytest>=7", "pytest-xdist>=3", "ruff==0.17.6", "timm", "deepspeed"],
         "timm": ["timm"],
+        "deepspeed": ["deepspeed"],
     },
     entry_points={
         "console_scripts": [

@@ -63,7 +63,7 @@ _NOT_SRUN_STEPS = {"4294967294", "batch", "4294967295", "extern"}
 class LaunchInfo:
     """Where this process sits in the job, as detected from the environment."""
 
-    launcher: str  # "slurm", "torchrun" or "none"
+    launcher: str  # "slurm", "torchrun", "deepspeed" or "none"
     rank: int
     world_size: int
     local_rank: int
@@ -110,15 +110,20 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
         local_rank = int(env.get("LOCAL_RANK", "0"))
+        # torchrun and --num-procs set LOCAL_WORLD_SIZE; the deepspeed launcher
+        # sets LOCAL_SIZE (and CROSS_RANK, the node's index) instead; a launcher
+        # that sets only RANK and WORLD_SIZE (one process per node or container)
+        # runs at least LOCAL_RANK + 1 processes here.
+        deepspeed = "LOCAL_WORLD_SIZE" not in env and "CROSS_RANK" in env
+        local_world = env.get("LOCAL_WORLD_SIZE", local_rank + 1)
+        if deepspeed:
+            local_world = env.get("LOCAL_SIZE", local_world)
         return LaunchInfo(
-            launcher="torchrun",
+            launcher="deepspeed" if deepspeed else "torchrun",
             rank=int(env["RANK"]),
             world_size=world,
             local_rank=local_rank,
-            # torchrun and --num-procs set it; a launcher that sets only RANK
-            # and WORLD_SIZE (one process per node or container) runs at least
-            # LOCAL_RANK + 1 processes here.
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", local_rank + 1)),
+            local_world_size=int(local_world),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", "29500")),
         )

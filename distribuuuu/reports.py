@@ -95,6 +95,19 @@ def _ranks(ranks: list[int]) -> str:
     return "ranks " + ",".join(map(str, ranks))
 
 
+def _memory(memory: dict) -> str:
+    if "gradients_mb" not in memory:
+        return (
+            f"{memory['parameters_mb']:.2f} MiB of parameters on the fullest "
+            "process (gradients as much, optimizer state by OPTIM)"
+        )
+    return (
+        f"{memory['parameters_mb']:.2f} MiB of parameters, "
+        f"{memory['gradients_mb']:.2f} MiB of gradients, "
+        f"{memory['optimizer_mb']:.2f} MiB of optimizer state on the fullest process"
+    )
+
+
 def format_startup(report: dict) -> str:
     """The start-up report (see :func:`distribuuuu.trainer.startup_report`) as text."""
     world, data, model, batch = (
@@ -126,8 +139,7 @@ def format_startup(report: dict) -> str:
         f"{data['val_images']} val images, {len(classes)} classes ({shown})",
         f"  model: {model['arch']}, {_count(model['parameters'])} parameters, "
         f"{model['size_mb']:.2f} MiB; SyncBN {'on' if model['syncbn'] else 'off'}",
-        f"  memory: {report['memory']['parameters_mb']:.2f} MiB of parameters on "
-        "the fullest process (gradients as much, optimizer state by OPTIM)",
+        "  memory: " + _memory(report["memory"]),
         f"  batch: {batch['per_rank']} per {replica} x {batch['accum']} "
         f"accumulation step(s) x {batch['world_size']} {many} = global batch "
         f"{batch['global']}; LR {report['lr']:.5g} ({report['lr_policy']}); "

@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 # its DCP folder beside it and the size and SHA-256 of each file in it.
 MODEL, OPTIMIZER, EMA, EMA_COUNTERS = "model", "optimizer", "ema", "ema_counters"
 SHARDS, SHARD_FILES = "sharded", "sharded_files"
+# Saved under DIST.STRATEGY deepspeed: the name of DeepSpeed's folder beside the
+# file (its files in SHARD_FILES) and the [ZeRO stage, world size] that wrote it;
+# MODEL holds the whole weights as well.
+DEEPSPEED, DEEPSPEED_LAYOUT = "deepspeed", "deepspeed_layout"
 
 
 @dataclass
@@ -231,6 +235,23 @@ class SavedRun:
         return is_sharded_checkpoint(self.state)
 
     @property
+    def holds_optimizer(self) -> bool:
+        """Whether the file itself holds the optimizer state (a DeepSpeed
+        checkpoint keeps it in DeepSpeed's files)."""
+        return holds_optimizer(self.state)
+
+    @property
+    def deepspeed_layout(self) -> tuple[int, int] | None:
+        """(ZeRO stage, world size) of a DeepSpeed checkpoint; None for others."""
+        layout = self.state.get(DEEPSPEED_LAYOUT)
+        return None if layout is None else tuple(layout)
+
+    @property
+    def shard_manifest(self):
+        """The size and SHA-256 of every file of its shard or DeepSpeed folder."""
+        return shard_manifest_of(self.state)
+
+    @property
     def optimizer_state(self) -> dict:
         """The optimizer state with its groups as lists (as torch keeps them)."""
         return grouped_by_list(self.state[OPTIMIZER])
@@ -288,6 +309,16 @@ def sharded_entries(folder: str, manifest: dict) -> dict:
     """The entries of a checkpoint whose model part is in DCP folder ``folder``
     (a plain name beside it), with the ``manifest`` of its files."""
     return {SHARDS: folder, SHARD_FILES: manifest}
+
+
+def deepspeed_entries(folder: str, manifest: dict, stage: int, world: int) -> dict:
+    """The entries of a checkpoint whose DeepSpeed files are in ``folder``."""
+    return {DEEPSPEED: folder, SHARD_FILES: manifest, DEEPSPEED_LAYOUT: [stage, world]}
+
+
+def deepspeed_folder_name(state: dict) -> Any:
+    """The DeepSpeed folder a checkpoint names (unchecked: any value)."""
+    return state.get(DEEPSPEED)
 
 
 def shards_folder(state: dict) -> Any:

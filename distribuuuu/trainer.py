@@ -41,7 +41,7 @@ from distribuuuu.run_log import log_training_images
 from distribuuuu.session import resolve_seed, run_context, seed_everything
 from distribuuuu.slurm import requeue_slurm_job
 from distribuuuu.state import RunClock, TrainState, plan_batches, restore_rng_state
-from distribuuuu.strategies import Strategy, build_strategy
+from distribuuuu.strategies import Strategy, build_strategy, strategy_class
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ def train_model(cfg: CfgNode) -> dict:
     with run_context(cfg) as (info, device):
         if info.rank == 0:
             dump_cfg(cfg)
+            strategy_class(cfg).write_config(cfg, info.world_size)
             for path in cp.remove_stale_files(cfg.OUT_DIR):
                 logger.info("removed %s, left by a save that was killed", path)
         writer = MetricsWriter(cfg.OUT_DIR, enabled=info.rank == 0)
@@ -206,11 +207,7 @@ def report_start(cfg, info, state: TrainState, size, sizes, start: str) -> None:
             "world_size": plan.world_size,
             "global": plan.global_batch,
         },
-        "memory": {
-            "parameters_mb": max(
-                du.all_gather_object(reports.parameter_mb(state.model))
-            ),
-        },
+        "memory": fullest(state.strategy.memory_mb(state.model)),
         "lr": cfg.OPTIM.BASE_LR * plan.lr_scale,
         "lr_policy": cfg.OPTIM.LR_POLICY,
         "strategy": state.strategy.describe(state.model),
@@ -224,6 +221,13 @@ def report_start(cfg, info, state: TrainState, size, sizes, start: str) -> None:
     logger.info("%s", text)
     state.writer.write({"split": "start", **report})
     state.writer.text("run/start", "    " + text.replace("\n", "\n    "))
+
+
+def fullest(memory: dict) -> dict:
+    """Each figure of ``memory`` (MiB on this process) at its largest over the
+    processes; a collective."""
+    every = du.all_gather_object(memory)
+    return {key: max(part[key] for part in every) for key in memory}
 
 
 def check_loader(loader: DataLoader, plan) -> None:

@@ -153,6 +153,15 @@ def test_sigkill_tensor_parallel_ranks_then_rerun_is_bitwise_identical(tmp_path)
     _sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, False, tensor)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sigkill_deepspeed_ranks_then_rerun_is_bitwise_identical(tmp_path):
+    """ZeRO-2 with an EMA: DeepSpeed's files of the same layout read back."""
+    pytest.importorskip("deepspeed")
+    deepspeed = ("DIST.STRATEGY", "deepspeed", "MODEL.EMA", "True")
+    _sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, False, deepspeed)
+
+
 def _worker_pid(torchrun_pid: int, rank: int) -> int:
     """The pid of the worker of ``rank`` that torchrun ``torchrun_pid`` started."""
     for pid in descendants(torchrun_pid):

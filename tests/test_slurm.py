@@ -84,6 +84,29 @@ def test_srun_three_tasks_evaluate_like_one_process(tmp_path):
 @pytest.mark.slurm
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_srun_two_tasks_train_with_deepspeed(tmp_path):
+    """DIST.STRATEGY deepspeed joins the process group srun's tasks form."""
+    pytest.importorskip("deepspeed")
+    out = str(tmp_path)
+    args = [
+        "MODEL.ARCH",
+        "lenet5",
+        "OPTIM.MAX_EPOCH",
+        "1",
+        "DIST.STRATEGY",
+        "deepspeed",
+    ]
+    cmd = ["srun", "-O", "-n", "2", "--time=10", sys.executable, TRAIN_NET, *args]
+    result = run_command([*cmd, "OUT_DIR", out], timeout=300)
+    assert_ok(result)
+    assert "launcher slurm" in result.stdout and "deepspeed ZeRO-2" in result.stdout
+    (val,) = read_metrics(out, "val")
+    assert val["world_size"] == 2 and val["samples"] == 1000
+
+
+@pytest.mark.slurm
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_sbatch_job_signalled_with_usr1_requeues_itself_and_finishes(tmp_path):
     """The ready script under sbatch: 2 tasks train, SIGUSR1 (what Slurm sends
     before a time limit or preemption) makes them checkpoint and requeue the

@@ -36,11 +36,17 @@ older checkpoint.
 
 from __future__ import annotations
 
+from distribuuuu.checkpoint.deepspeed_files import (
+    check_deepspeed_files,
+    deepspeed_folder,
+)
 from distribuuuu.checkpoint.files import (
     BEST_EMA_WEIGHTS,
     BEST_WEIGHTS,
     CHECKPOINT_DIR,
     CHECKPOINT_FILE,
+    DEEPSPEED_SUFFIX,
+    DEEPSPEED_TAG,
     LAST_POINTER,
     SHARDED_SUFFIX,
     DamagedCheckpointError,
@@ -67,6 +73,7 @@ from distribuuuu.checkpoint.shards import (
     load_shards,
     read_dcp_metadata,
     read_sharded,
+    save_folder,
     save_sharded,
     shard_manifest,
     shards_of,
@@ -78,6 +85,8 @@ __all__ = [
     "BEST_WEIGHTS",
     "CHECKPOINT_DIR",
     "CHECKPOINT_FILE",
+    "DEEPSPEED_SUFFIX",
+    "DEEPSPEED_TAG",
     "LAST_POINTER",
     "SHARDED_SUFFIX",
     "DamagedCheckpointError",
@@ -86,7 +95,9 @@ __all__ = [
     "SafeLoadPlanner",
     "SafeShardReader",
     "atomic_write",
+    "check_deepspeed_files",
     "checkpoint_name",
+    "deepspeed_folder",
     "find_resume_checkpoint",
     "list_checkpoints",
     "load_file",
@@ -97,6 +108,7 @@ __all__ = [
     "read_sharded",
     "remove_stale_files",
     "save_checkpoint",
+    "save_folder",
     "save_sharded",
     "save_weights",
     "shard_manifest",

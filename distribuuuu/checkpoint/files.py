@@ -17,6 +17,8 @@ LAST_POINTER = "last"
 BEST_WEIGHTS = "best.pth"
 BEST_EMA_WEIGHTS = "best_ema.pth"  # same layout, of the weights' moving average
 SHARDED_SUFFIX = ".dcp"
+DEEPSPEED_SUFFIX = ".ds"  # DeepSpeed's own checkpoint folder (DIST.STRATEGY deepspeed)
+DEEPSPEED_TAG = "zero"  # its sub-folder (DeepSpeed's tag) holding DeepSpeed's files
 CHECKPOINT_FILE = re.compile(r"^ckpt_ep_(\d+)(?:_it_(\d+))?\.pth$")
 
 
@@ -84,7 +86,7 @@ def atomic_write(path: str, write) -> None:
 # leaves behind.
 _STALE = re.compile(
     r"^\.(ckpt_ep_\w+\.pth|last|best(_ema)?\.pth|.+\.ya?ml)\.tmp\d+$"
-    r"|^ckpt_ep_\w+\.dcp\.tmp$"
+    r"|^ckpt_ep_\w+\.(dcp|ds)\.tmp$"
 )
 
 
@@ -128,7 +130,8 @@ def save_checkpoint(
     if keep > 0:
         for _, old in list_checkpoints(out_dir)[keep:]:
             os.remove(old)
-            shutil.rmtree(sharded_dir(old), ignore_errors=True)
+            for suffix in (SHARDED_SUFFIX, DEEPSPEED_SUFFIX):
+                shutil.rmtree(sharded_dir(old, suffix), ignore_errors=True)
     return os.path.join(directory, name)
 
 
@@ -145,9 +148,10 @@ class DamagedCheckpointError(ValueError):
     """A checkpoint that is incomplete, truncated or fails its checksums."""
 
 
-def sharded_dir(path: str) -> str:
-    """The DCP directory that goes with checkpoint file ``path``."""
-    return os.path.splitext(path)[0] + SHARDED_SUFFIX
+def sharded_dir(path: str, suffix: str = SHARDED_SUFFIX) -> str:
+    """The DCP directory (or with ``suffix``, DeepSpeed's) that goes with
+    checkpoint file ``path``."""
+    return os.path.splitext(path)[0] + suffix
 
 
 def save_weights(path: str, state: dict) -> None:

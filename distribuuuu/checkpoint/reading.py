@@ -12,9 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from distribuuuu.checkpoint.deepspeed_files import (
+    check_deepspeed_files,
+    deepspeed_folder,
+)
 from distribuuuu.checkpoint.files import (
     CHECKPOINT_DIR,
     CHECKPOINT_FILE,
+    DEEPSPEED_TAG,
     LAST_POINTER,
     DamagedCheckpointError,
     RefusedCheckpointError,
@@ -32,6 +37,7 @@ from distribuuuu.logger import FILE_ONLY
 from distribuuuu.models.vit import fuse_qkv
 from distribuuuu.state import (
     MODEL,
+    deepspeed_folder_name,
     is_sharded_checkpoint,
     is_training_checkpoint,
     model_weights,
@@ -110,6 +116,12 @@ def _check_training_state(path: str, state: Any, checksums: bool) -> None:
     """Raise unless a loaded file is a whole training checkpoint."""
     if not is_training_checkpoint(state):
         raise DamagedCheckpointError("not a training checkpoint")
+    if deepspeed_folder_name(state) is not None:
+        folder = deepspeed_folder(path, state)
+        check_deepspeed_files(folder)  # refused, whatever the manifest says
+        manifest = shard_manifest_of(state)
+        if checksums and manifest is not None:
+            verify_shards(os.path.join(folder, DEEPSPEED_TAG), manifest)
     if not is_sharded_checkpoint(state):
         return
     directory = shards_of(path, state)

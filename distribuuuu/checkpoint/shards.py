@@ -17,6 +17,7 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,30 +78,44 @@ def shard_manifest(directory: str) -> dict[str, list]:
     return manifest
 
 
-def save_sharded(out_dir: str, name: str, state: dict) -> tuple[str, dict]:
-    """Every rank writes its shards of ``state``; the checkpoint entries naming them.
+def save_folder(
+    out_dir: str, name: str, suffix: str, write: Callable[[str], None], inner=""
+) -> tuple[str, dict]:
+    """Every rank writes its part of checkpoint ``name``'s folder (``suffix``)
+    with ``write(folder)``; the folder's name and the manifest of its files.
 
-    A collective.  The shards go to a temporary directory that rank 0 renames
-    into place once DCP has finished (DCP's writer fsyncs each file), so a
-    ``.dcp`` directory under its final name is always complete.  Returns
-    ``{"sharded": directory name, "sharded_files": manifest}``, the manifest
-    holding the size and SHA-256 of every file, checked before resuming.
+    A collective.  The files go to a temporary folder that rank 0 renames into
+    place once every rank has written and synced its files, so a folder under
+    its final name is always complete.  The manifest holds the size and
+    SHA-256 of every file in its sub-folder ``inner``, checked before resuming.
     """
     directory = os.path.join(out_dir, CHECKPOINT_DIR)
-    final = sharded_dir(os.path.join(directory, name))
+    final = sharded_dir(os.path.join(directory, name), suffix)
     tmp = final + ".tmp"
     if du.is_main_process():
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     du.barrier()
-    dcp.save(state, checkpoint_id=tmp)
-    manifest = shard_manifest(tmp)
+    write(tmp)
+    du.barrier()
+    manifest = shard_manifest(os.path.join(tmp, inner))
     if du.is_main_process():
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         fsync_dir(directory)
     du.barrier()
     return os.path.basename(final), manifest
+
+
+def save_sharded(out_dir: str, name: str, state: dict) -> tuple[str, dict]:
+    """Every rank writes its shards of ``state`` with DCP (which fsyncs each
+    file) into the ``.dcp`` folder of checkpoint ``name``; its name and
+    manifest (see :func:`save_folder`)."""
+
+    def write(folder: str) -> None:
+        dcp.save(state, checkpoint_id=folder)
+
+    return save_folder(out_dir, name, SHARDED_SUFFIX, write)
 
 
 # The exact globals a DCP .metadata pickle builds (measured on torch 2.14's
@@ -369,26 +384,28 @@ def check_shard_items(directory: str) -> None:
         _read_whole(reader, keys)
 
 
-def shards_of(path: str, state: dict) -> str:
-    """The DCP directory named by the sharded checkpoint ``path`` (``state``).
-
-    It must be a plain ``.dcp`` name in the folder of ``path``, not a link out
-    of it: anything else is refused.
-    """
-    name = shards_folder(state)
+def folder_beside(path: str, name: Any, suffix: str) -> str:
+    """The folder ``name`` (ending in ``suffix``) that checkpoint ``path``
+    names: it must be a plain name in the folder of ``path``, not a link out
+    of it; anything else is refused."""
     folder = os.path.dirname(os.path.abspath(path))
     if (
         not isinstance(name, str)
-        or not name.endswith(SHARDED_SUFFIX)
+        or not name.endswith(suffix)
         or name != os.path.basename(name)
         or name.startswith(".")
         or "\0" in name
     ):
-        raise refused(f"its shards must be a .dcp folder beside it, not {name!r}")
+        raise refused(f"its shards must be a {suffix} folder beside it, not {name!r}")
     directory = os.path.join(folder, name)
     if os.path.dirname(os.path.realpath(directory)) != os.path.realpath(folder):
         raise refused(f"its shards {name} link out of {folder}")
     return directory
+
+
+def shards_of(path: str, state: dict) -> str:
+    """The DCP directory named by the sharded checkpoint ``path`` (``state``)."""
+    return folder_beside(path, shards_folder(state), SHARDED_SUFFIX)
 
 
 def verify_shards(directory: str, manifest: Any) -> None:

@@ -283,7 +283,9 @@ _C.DIST.REQUEUE = False
 # optimizer state sharded with FSDP2 fully_shard, per block; checkpoints are
 # saved sharded, one piece per rank) | pipeline (the layers split into
 # DIST.PIPELINE.STAGES stages, one per process, micro-batches flowing through
-# them; data parallel over the remaining factor of the world size)
+# them; data parallel over the remaining factor of the world size) | deepspeed
+# (DeepSpeed's engine with ZeRO DIST.DEEPSPEED.ZERO_STAGE; pip install -e
+# '.[deepspeed]')
 _C.DIST.STRATEGY = "ddp"
 # FSDP only: keep the sharded parameters and gradients in host memory (the
 # optimizer step runs on the CPU)
@@ -314,6 +316,22 @@ _C.DIST.PIPELINE.VIRTUAL_STAGES = 2
 # Module names where a new stage begins (e.g. ["layer3"]); [] = split
 # automatically, balanced by parameters (the split is logged)
 _C.DIST.PIPELINE.SPLIT = []
+# DeepSpeed (DIST.STRATEGY deepspeed). Its config is generated from our keys
+# (TRAIN.BATCH_SIZE, TRAIN.ACCUM_STEPS, OPTIM.CLIP_GRAD_NORM,
+# TRAIN.MIXED_PRECISION and the keys below) and written to OUT_DIR/ds_config.json
+_C.DIST.DEEPSPEED = CfgNode()
+# ZeRO stage: 1 (optimizer state sharded) | 2 (and gradients) | 3 (and parameters)
+_C.DIST.DEEPSPEED.ZERO_STAGE = 2
+# Keep the optimizer state (and run its step) in host memory: none | cpu | nvme
+_C.DIST.DEEPSPEED.OFFLOAD_OPTIMIZER = "none"
+# Keep the parameters in host memory (ZeRO stage 3 only): none | cpu | nvme
+_C.DIST.DEEPSPEED.OFFLOAD_PARAMS = "none"
+# A writable directory on a fast disk, for the nvme offloads
+_C.DIST.DEEPSPEED.NVME_PATH = ""
+# Optional path to a ds_config.json merged over the generated config: it may add
+# what we have no key for (e.g. overlap_comm); a value that contradicts one of
+# our keys, or an optimizer or scheduler section, is an error
+_C.DIST.DEEPSPEED.CONFIG = ""
 
 # ---------------------------------------------------------------------------- #
 # Checkpoints

@@ -38,7 +38,8 @@ OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("", "nccl", "gloo")
 DIST_MODES = ("ddp", "dp")
-STRATEGIES = ("dp", "ddp", "zero1", "fsdp", "pipeline")
+STRATEGIES = ("dp", "ddp", "zero1", "fsdp", "pipeline", "deepspeed")
+OFFLOADS = ("none", "cpu", "nvme")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PRECISIONS = ("none", "bf16", "fp16")
 AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
@@ -54,6 +55,9 @@ CHOICES = {
     "DIST.MODE": DIST_MODES,
     "DIST.STRATEGY": STRATEGIES,
     "DIST.PIPELINE.SCHEDULE": PIPELINE_SCHEDULES,
+    "DIST.DEEPSPEED.ZERO_STAGE": (1, 2, 3),
+    "DIST.DEEPSPEED.OFFLOAD_OPTIMIZER": OFFLOADS,
+    "DIST.DEEPSPEED.OFFLOAD_PARAMS": OFFLOADS,
     "TRAIN.MIXED_PRECISION": PRECISIONS,
     "TRAIN.RESUME_BATCH": ("global", "per_rank"),
     "DEVICE": DEVICES,

@@ -197,6 +197,8 @@ def _validate_dist(cfg: CfgNode) -> None:
         )
     if cfg.DIST.STRATEGY == "pipeline":
         _validate_pipeline(cfg)
+    if cfg.DIST.STRATEGY == "deepspeed":
+        _validate_deepspeed(cfg)
     _check(
         not cfg.DIST.SEQUENCE_PARALLEL or cfg.DIST.TENSOR_PARALLEL > 1,
         "DIST.SEQUENCE_PARALLEL",
@@ -216,6 +218,17 @@ def _validate_dist(cfg: CfgNode) -> None:
             "TRAIN.MIXED_PRECISION",
             "fp16",
             "is not supported with DIST.TENSOR_PARALLEL; use bf16",
+        )
+
+
+def _unsupported(cfg: CfgNode, keys: tuple[str, ...], what: str) -> None:
+    """Refuse any of ``keys`` that is on (true or non-zero) with ``what``."""
+    for key in keys:
+        _check(
+            not get_key(cfg, key),
+            key,
+            get_key(cfg, key),
+            f"is not supported with {what}",
         )
 
 
@@ -247,16 +260,7 @@ def _validate_pipeline(cfg: CfgNode) -> None:
         f"must be a multiple of the {micro} pipeline micro-batches "
         "(DIST.PIPELINE.MICROBATCHES)",
     )
-    for key, used in (
-        ("MODEL.SYNCBN", cfg.MODEL.SYNCBN),
-        ("TRAIN.PRECISE_BN", cfg.TRAIN.PRECISE_BN > 0),
-    ):
-        _check(
-            not used,
-            key,
-            get_key(cfg, key),
-            "is not supported with DIST.STRATEGY pipeline",
-        )
+    _unsupported(cfg, ("MODEL.SYNCBN", "TRAIN.PRECISE_BN"), "DIST.STRATEGY pipeline")
     _check(
         cfg.TRAIN.MIXED_PRECISION != "fp16",
         "TRAIN.MIXED_PRECISION",
@@ -326,6 +330,26 @@ def _validate_data(cfg: CfgNode) -> None:
     )
     _check_data_paths(cfg, name)
     cfg.DATA.NAME = name
+
+
+def _validate_deepspeed(cfg: CfgNode) -> None:
+    """DIST.DEEPSPEED: what ZeRO stages 1 and 2 do not offload; what stage 3's
+    partitioned parameters do not support."""
+    ds = cfg.DIST.DEEPSPEED
+    _check(
+        ds.OFFLOAD_PARAMS == "none" or ds.ZERO_STAGE == 3,
+        "DIST.DEEPSPEED.OFFLOAD_PARAMS",
+        ds.OFFLOAD_PARAMS,
+        f"needs DIST.DEEPSPEED.ZERO_STAGE 3 (not {ds.ZERO_STAGE}): only stage 3 "
+        "partitions the parameters",
+    )
+    if ds.ZERO_STAGE == 3:
+        _unsupported(
+            cfg,
+            ("MODEL.EMA", "MODEL.SYNCBN", "TRAIN.PRECISE_BN"),
+            "DIST.DEEPSPEED.ZERO_STAGE 3 (the parameters are partitioned); use "
+            "stage 1 or 2",
+        )
 
 
 def validate_cfg(cfg: CfgNode) -> None:

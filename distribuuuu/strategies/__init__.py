@@ -13,6 +13,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.strategies.base import Strategy, unwrap_model
 from distribuuuu.strategies.ddp import DDPStrategy
+from distribuuuu.strategies.deepspeed import DeepSpeedStrategy
 from distribuuuu.strategies.dp import DataParallelStrategy
 from distribuuuu.strategies.fsdp import FSDPStrategy
 from distribuuuu.strategies.pipeline import PipelineStrategy
@@ -25,6 +26,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "zero1": Zero1Strategy,
     "fsdp": FSDPStrategy,
     "pipeline": PipelineStrategy,
+    "deepspeed": DeepSpeedStrategy,
 }
 
 

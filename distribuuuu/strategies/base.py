@@ -11,6 +11,7 @@ these methods, never ``isinstance`` on a wrapper.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
@@ -21,7 +22,7 @@ from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
 from distribuuuu import distributed as du
-from distribuuuu import optim
+from distribuuuu import optim, reports
 from distribuuuu.precision import autocast
 from distribuuuu.state import EMA, MODEL, OPTIMIZER, SavedRun
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:  # imported for the annotations only
     from distribuuuu.losses import TrainLoss
     from distribuuuu.meters import MetricSums
     from distribuuuu.state import TrainState
+
+logger = logging.getLogger(__name__)
 
 # One micro-batch of a training step: the model's input, the labels (for the
 # metrics) and the loss targets (mixed labels under Mixup/CutMix).
@@ -222,6 +225,10 @@ class Strategy:
         """Refuse (ValueError) a layout that cannot work, before the processes
         start; ``skeleton()`` builds the model without memory."""
 
+    @classmethod
+    def write_config(cls, cfg: CfgNode, world_size: int) -> None:
+        """Write the strategy's own config files beside config.yaml (rank 0)."""
+
     def data_parallel(self) -> tuple[int, int]:
         """This process's replica and the number of replicas."""
         world = du.get_world_size()
@@ -253,6 +260,12 @@ class Strategy:
     def describe(self, model: nn.Module) -> str:
         """A few words for the start-up report."""
         return self.name
+
+    def memory_mb(self, model: nn.Module) -> dict:
+        """MiB of what this process holds, for the start-up report: parameters
+        (its shards of sharded ones), and where the strategy knows them,
+        gradients and optimizer state."""
+        return {"parameters_mb": reports.parameter_mb(model)}
 
     # --- training -------------------------------------------------------- #
     @contextlib.contextmanager
@@ -377,7 +390,13 @@ class Strategy:
         if saved.is_sharded:
             saved = SavedRun(saved.path, cp.load_full(saved.path))
         self.load_model_weights(model, saved.state, saved.path)
-        self.load_optimizer_state(model, optimizer, saved.optimizer_state)
+        if saved.holds_optimizer:
+            self.load_optimizer_state(model, optimizer, saved.optimizer_state)
+        else:  # DeepSpeed's optimizer state is in its own files
+            logger.warning(
+                "%s holds no optimizer state this strategy reads: it starts afresh",
+                saved.path,
+            )
         if ema is None or not saved.has_ema:
             return False
         ema.load(saved.ema_tensors, saved.ema_counters)

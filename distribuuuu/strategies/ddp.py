@@ -13,6 +13,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -23,6 +24,17 @@ from distribuuuu.syncbn import GroupSyncBatchNorm
 logger = logging.getLogger(__name__)
 
 
+def convert_syncbn(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` with its BatchNorm synchronized across the processes."""
+    if device.type == "cuda":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        logger.info("SyncBN: torch.nn.SyncBatchNorm across processes")
+    else:
+        model = GroupSyncBatchNorm.convert_sync_batchnorm(model)
+        logger.info("SyncBN: CPU SyncBN active (all_reduce over %s)", device.type)
+    return model
+
+
 class DDPStrategy(Strategy):
     """DistributedDataParallel: replicated weights, all-reduced gradients."""
 
@@ -31,14 +43,7 @@ class DDPStrategy(Strategy):
     def prepare_model(self, model: nn.Module) -> nn.Module:
         device, distributed = self.device, du.is_distributed()
         if self.cfg.MODEL.SYNCBN and distributed:
-            if device.type == "cuda":
-                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-                logger.info("SyncBN: torch.nn.SyncBatchNorm across processes")
-            else:
-                model = GroupSyncBatchNorm.convert_sync_batchnorm(model)
-                logger.info(
-                    "SyncBN: CPU SyncBN active (all_reduce over %s)", device.type
-                )
+            model = convert_syncbn(model, device)
         model = model.to(device)
         if distributed:
             device_ids = [device.index] if device.type == "cuda" else None

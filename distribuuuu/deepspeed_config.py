@@ -1,0 +1,161 @@
+"""The DeepSpeed config of a run: generated from our keys, with a user's
+``ds_config.json`` merged over it.
+
+Our keys stay the one source of the batch, accumulation, clipping, precision
+and ZeRO settings: the json may add what we have no key for (bucket sizes,
+``overlap_comm``, ...), and a value in it that says otherwise than one of our
+keys is refused, naming both.  This module never imports DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from yacs.config import CfgNode
+
+# The largest ds_config.json read (a DeepSpeed config is a few KiB).
+MAX_JSON_BYTES = 1 << 20
+# Where the merged config is written, beside config.yaml.
+DS_CONFIG_FILE = "ds_config.json"
+# Sections our own code drives: a user's json may not bring its own.
+_OURS = {
+    "optimizer": "OPTIM.* (our optimizer builder drives DeepSpeed's engine)",
+    "scheduler": "OPTIM.LR_POLICY (our LR schedule drives DeepSpeed's engine)",
+}
+
+
+def _offload(device: str, nvme_path: str) -> dict:
+    section: dict[str, Any] = {"device": device}
+    if device == "nvme":
+        section["nvme_path"] = nvme_path
+    return section
+
+
+def generated_config(cfg: CfgNode, world_size: int) -> dict:
+    """The DeepSpeed config that our keys give, for ``world_size`` processes."""
+    ds = cfg.DIST.DEEPSPEED
+    # The offload sections are always there ("device": "none" when off), so
+    # that a json turning one on contradicts the key that says off.
+    zero = {
+        "stage": ds.ZERO_STAGE,
+        "offload_optimizer": _offload(ds.OFFLOAD_OPTIMIZER, ds.NVME_PATH),
+        "offload_param": _offload(ds.OFFLOAD_PARAMS, ds.NVME_PATH),
+    }
+    precision = cfg.TRAIN.MIXED_PRECISION
+    micro, accum = cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.ACCUM_STEPS
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * world_size,
+        "gradient_clipping": float(cfg.OPTIM.CLIP_GRAD_NORM),
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+        "zero_optimization": zero,
+        # Our optimizers (SGD, AdamW) are torch's, not DeepSpeed's fused ones,
+        # offloaded too (DeepSpeed's CPU Adam would change the update).
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        # Our log reports the steps; DeepSpeed's own print would repeat them.
+        "steps_per_print": 2**31 - 1,
+    }
+
+
+# The keys of ours that each generated value comes from, for the messages.
+_SOURCES = {
+    "train_micro_batch_size_per_gpu": "TRAIN.BATCH_SIZE",
+    "gradient_accumulation_steps": "TRAIN.ACCUM_STEPS",
+    "train_batch_size": "TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS x processes",
+    "gradient_clipping": "OPTIM.CLIP_GRAD_NORM",
+    "bf16": "TRAIN.MIXED_PRECISION",
+    "fp16": "TRAIN.MIXED_PRECISION",
+    "zero_optimization.stage": "DIST.DEEPSPEED.ZERO_STAGE",
+    "zero_optimization.offload_optimizer": "DIST.DEEPSPEED.OFFLOAD_OPTIMIZER",
+    "zero_optimization.offload_param": "DIST.DEEPSPEED.OFFLOAD_PARAMS",
+}
+
+
+def _source(path: str) -> str:
+    for prefix, key in _SOURCES.items():
+        if path == prefix or path.startswith(prefix + "."):
+            if "nvme_path" in path:
+                return "DIST.DEEPSPEED.NVME_PATH"
+            return key
+    return "our generated config"
+
+
+def _same(ours: Any, theirs: Any) -> bool:
+    if isinstance(ours, bool) or isinstance(theirs, bool):
+        return ours is theirs
+    return ours == theirs  # 1 == 1.0: json writes a clipping of 1 either way
+
+
+def merge(ours: dict, theirs: dict, path: str = "") -> dict:
+    """``theirs`` merged over ``ours``; ValueError where a value of ``theirs``
+    differs from one ``ours`` sets (the message names both)."""
+    merged = dict(ours)
+    for key, value in theirs.items():
+        where = f"{path}{key}"
+        if not path and key in _OURS:
+            raise ValueError(
+                f"DIST.DEEPSPEED.CONFIG: its {key!r} section contradicts "
+                f"{_OURS[key]}; remove it from the json"
+            )
+        if key not in ours:
+            merged[key] = value
+        elif isinstance(ours[key], dict) and isinstance(value, dict):
+            merged[key] = merge(ours[key], value, where + ".")
+        elif not _same(ours[key], value):
+            raise ValueError(
+                f"DIST.DEEPSPEED.CONFIG: {where} {json.dumps(value)} contradicts "
+                f"{_source(where)} (which gives {json.dumps(ours[key])}); set it "
+                "in one place only"
+            )
+    return merged
+
+
+def read_user_config(path: str) -> dict:
+    """The JSON object of a user's ds_config.json; ValueError naming what is
+    wrong with it (missing, too large, not JSON, not an object)."""
+    where = f"DIST.DEEPSPEED.CONFIG {path}"
+    if not os.path.isfile(path):
+        raise ValueError(f"{where}: no such file")
+    if os.path.getsize(path) > MAX_JSON_BYTES:
+        raise ValueError(f"{where}: larger than {MAX_JSON_BYTES >> 10} KiB")
+    try:
+        with open(path, encoding="utf-8") as f:
+            loaded = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{where}: not JSON ({error})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(
+            f"{where}: must hold a JSON object, not {type(loaded).__name__}"
+        )
+    return loaded
+
+
+def run_config(cfg: CfgNode, world_size: int) -> dict:
+    """The config the engine runs with: ours, the user's json merged over it."""
+    ours = generated_config(cfg, world_size)
+    if not cfg.DIST.DEEPSPEED.CONFIG:
+        return ours
+    return merge(ours, read_user_config(cfg.DIST.DEEPSPEED.CONFIG))
+
+
+def check_nvme(cfg: CfgNode) -> None:
+    """ValueError unless an ``nvme`` offload has a writable DIST.DEEPSPEED.NVME_PATH."""
+    ds = cfg.DIST.DEEPSPEED
+    if "nvme" not in (ds.OFFLOAD_OPTIMIZER, ds.OFFLOAD_PARAMS):
+        return
+    if not ds.NVME_PATH:
+        raise ValueError(
+            "DIST.DEEPSPEED offload to nvme needs DIST.DEEPSPEED.NVME_PATH, a "
+            "writable directory on the fast disk"
+        )
+    if not (os.path.isdir(ds.NVME_PATH) and os.access(ds.NVME_PATH, os.W_OK | os.X_OK)):
+        raise ValueError(
+            f"DIST.DEEPSPEED.NVME_PATH {ds.NVME_PATH!r} is not a writable directory"
+        )

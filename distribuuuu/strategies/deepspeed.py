@@ -1,0 +1,287 @@
+"""``DIST.STRATEGY deepspeed``: DeepSpeed's engine (ZeRO stage 1, 2 or 3, with
+optimizer and parameter offload) under our data, models, schedule, evaluation
+and checkpoint layout.
+
+Our optimizer builder makes the optimizer (every ``OPTIM.OPTIMIZER``, with our
+parameter groups) and our schedule sets its learning rate each step;
+``deepspeed.initialize`` wraps both, and the engine runs backward, the
+accumulation boundaries, clipping and the step.  The engine's config comes from
+our keys (:mod:`distribuuuu.deepspeed_config`) and is written beside
+``config.yaml``.
+
+A checkpoint is DeepSpeed's own (``engine.save_checkpoint``: every rank writes
+its partition) in a ``.ds`` folder beside the checkpoint file, which also holds
+the consolidated fp32 weights (and the EMA): the ``.ds`` folder resumes the
+same layout exactly, and everything else (another world size or ZeRO stage,
+another strategy, inspect, export, predict, ``MODEL.WEIGHTS``) reads the whole
+weights, the optimizer state then starting afresh.  DeepSpeed unpickles its
+files with ``weights_only=False``: they are read first with weights-only
+loading and a short list of DeepSpeed's classes, and refused otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import json
+import logging
+import os
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from yacs.config import CfgNode
+
+from distribuuuu import checkpoint as cp
+from distribuuuu import distributed as du
+from distribuuuu import optim
+from distribuuuu.deepspeed_config import DS_CONFIG_FILE, check_nvme, run_config
+from distribuuuu.precision import autocast
+from distribuuuu.state import EMA, MODEL, SavedRun, deepspeed_entries
+from distribuuuu.strategies.base import MicroBatch, Strategy
+from distribuuuu.strategies.ddp import convert_syncbn
+
+logger = logging.getLogger(__name__)
+
+MISSING = (
+    "DIST.STRATEGY deepspeed needs DeepSpeed, which is not installed here: "
+    "pip install -e '.[deepspeed]'"
+)
+# The tag (sub-folder) of the .ds folder that DeepSpeed's files go to; the
+# folder itself also gets DeepSpeed's recovery scripts (zero_to_fp32.py).
+TAG = cp.DEEPSPEED_TAG
+
+
+def deepspeed_installed() -> bool:
+    """Whether DeepSpeed can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec("deepspeed") is not None
+    except (ImportError, ValueError):  # blocked, or a module without a spec
+        return False
+
+
+def import_deepspeed(device: torch.device):
+    """The deepspeed module, its accelerator set to ``device``'s type (DeepSpeed
+    picks one once, at first use: on a machine with GPUs, a CPU run must say so)."""
+    if not deepspeed_installed():
+        raise ValueError(MISSING)
+    os.environ["DS_ACCELERATOR"] = "cuda" if device.type == "cuda" else "cpu"
+    # DeepSpeed 0.19 calls torch's collectives by their deprecated names.
+    warnings.filterwarnings(
+        "ignore",
+        message=r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning,
+    )
+    import deepspeed
+
+    return deepspeed
+
+
+def join_group(device: torch.device) -> None:
+    """What DeepSpeed's engine needs from the launch: LOCAL_RANK in the
+    environment (srun sets SLURM_LOCALID instead), and a process group, of
+    this one process where the run has none."""
+    os.environ.setdefault("LOCAL_RANK", str(du.detect_launch().local_rank))
+    if torch.distributed.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
+
+
+# Optimizer state per parameter element, in fp32 numbers (for the report).
+_STATE_PER_ELEMENT = {"sgd": lambda o: int(o.MOMENTUM > 0), "adamw": lambda o: 2}
+
+
+class DeepSpeedStrategy(Strategy):
+    """DeepSpeed's engine with ZeRO; our optimizer, schedule and checkpoints."""
+
+    name = "deepspeed"
+    supports_channels_last = False  # ZeRO flattens the parameters
+
+    @classmethod
+    def check_layout(cls, cfg: CfgNode, world_size: int, skeleton) -> None:
+        """DeepSpeed installed, the nvme path writable, a user's json readable
+        and in agreement with our keys."""
+        if not deepspeed_installed():
+            raise ValueError(MISSING)
+        check_nvme(cfg)
+        run_config(cfg, world_size)
+
+    @classmethod
+    def write_config(cls, cfg: CfgNode, world_size: int) -> None:
+        """The engine's config, as ``OUT_DIR/ds_config.json``."""
+        text = json.dumps(run_config(cfg, world_size), indent=2, sort_keys=True)
+        path = os.path.join(cfg.OUT_DIR, DS_CONFIG_FILE)
+        cp.atomic_write(path, lambda f: f.write(text.encode() + b"\n"))
+
+    @property
+    def stage(self) -> int:
+        return self.cfg.DIST.DEEPSPEED.ZERO_STAGE
+
+    # --- the model and the optimizer ------------------------------------ #
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """The DeepSpeed engine over ``model`` and our optimizer."""
+        deepspeed = import_deepspeed(self.device)
+        join_group(self.device)
+        deepspeed.init_distributed(
+            dist_backend=torch.distributed.get_backend(), dist_init_required=False
+        )
+        if self.cfg.MODEL.SYNCBN and du.is_distributed():
+            model = convert_syncbn(model, self.device)
+        model = model.to(self.device)
+        # The shapes of the whole model, to check loaded weights against (ZeRO
+        # stage 3 leaves the module's parameters empty).
+        self.skeleton = copy.deepcopy(model).to("meta")
+        optimizer = optim.build_optimizer(model, self.cfg.OPTIM)
+        config = run_config(self.cfg, du.get_world_size())
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config
+        )
+        return engine
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The engine's ZeRO optimizer: its parameter groups are ours (the
+        schedule sets their learning rate)."""
+        return model.optimizer
+
+    def forward_is_collective(self, model: nn.Module) -> bool:
+        """Stage 3 gathers each layer's parameters for its forward pass."""
+        return self.stage == 3 and du.is_distributed()
+
+    def describe(self, model: nn.Module) -> str:
+        ds = self.cfg.DIST.DEEPSPEED
+        return (
+            f"deepspeed ZeRO-{self.stage} (optimizer offload "
+            f"{ds.OFFLOAD_OPTIMIZER}, parameter offload {ds.OFFLOAD_PARAMS})"
+        )
+
+    def memory_mb(self, model: nn.Module) -> dict:
+        """MiB this process holds of parameters, gradients and optimizer state
+        (the state as the optimizer will hold it after its first step)."""
+        zero = model.optimizer
+        if self.stage == 3:
+            mine = [p.ds_tensor for p in model.module.parameters()]
+            partition = sum(t.numel() for t in zero.fp32_partitioned_groups_flat)
+        else:
+            mine = list(model.module.parameters())
+            partition = sum(t.numel() for t in zero.single_partition_of_fp32_groups)
+        params = sum(t.numel() * t.element_size() for t in mine)
+        grads = params if self.stage == 1 else partition * 4
+        per = _STATE_PER_ELEMENT[self.cfg.OPTIM.OPTIMIZER](self.cfg.OPTIM)
+        # fp32 master weights beside low-precision ones (mixed precision).
+        masters = partition if self.amp_dtype is not None else 0
+        state = (partition * per + masters) * 4
+        return {
+            "parameters_mb": params / 2**20,
+            "gradients_mb": grads / 2**20,
+            "optimizer_mb": state / 2**20,
+        }
+
+    # --- training -------------------------------------------------------- #
+    def train_step(
+        self, state, micro_batches: Iterable[MicroBatch], meter, loss_fn
+    ) -> bool:
+        """The engine's forward, backward and step per micro-batch (it steps
+        the optimizer at the accumulation boundary, dividing the loss by the
+        accumulation steps); False when it skipped the step (fp16 overflow)."""
+        engine = state.model
+        for images, targets, loss_targets in micro_batches:
+            with autocast(self.device, state.amp_dtype):
+                logits = engine(images)
+                loss = loss_fn(logits, loss_targets)
+            engine.backward(loss)
+            engine.step()
+            meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
+        return engine.was_step_applied()
+
+    # --- state in our checkpoint layout ---------------------------------- #
+    def model_state_dict(self, model: nn.Module) -> dict:
+        """The whole model in fp32 (the optimizer's master weights), on every
+        rank; a collective."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = model.module
+        params = dict(module.named_parameters())
+        whole = {}
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if name in params:
+                tensor = safe_get_full_fp32_param(params[name])
+            whole[name] = tensor.detach().cpu().clone()
+        return whole
+
+    def load_model_state(self, model: nn.Module, weights: dict, strict=True) -> None:
+        """Whole weights into the module (gathered under stage 3), then into
+        the optimizer's fp32 master copy."""
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        module = model.module
+        gather = contextlib.nullcontext()
+        if self.stage == 3:
+            gather = GatheredParameters(list(module.parameters()), modifier_rank=0)
+        with gather:
+            module.load_state_dict(weights, strict=strict)
+        model.optimizer.refresh_fp32_params()
+
+    def load_model_weights(self, model, weights, path, finetune_classes=None):
+        def load(whole: dict, strict: bool) -> None:
+            self.load_model_state(model, whole, strict)
+
+        return cp.load_model_weights(
+            self.skeleton, weights, path, load, finetune_classes
+        )
+
+    def optimizer_state_dict(self, model, optimizer) -> dict:
+        """Empty: the optimizer state is in DeepSpeed's files only."""
+        return {}
+
+    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
+        logger.warning(
+            "the optimizer state of another strategy is not loaded into "
+            "DeepSpeed's engine: it starts afresh"
+        )
+
+    def save_weights(self, model, optimizer, ema, out_dir: str, name: str) -> dict:
+        """DeepSpeed's checkpoint in a ``.ds`` folder (every rank writes its
+        partition), and the whole fp32 weights (and EMA) for everything else."""
+
+        def write(folder: str) -> None:
+            model.save_checkpoint(folder, tag=TAG, save_latest=False)
+            for file in os.listdir(os.path.join(folder, TAG)):  # torch.save does not
+                with open(os.path.join(folder, TAG, file), "rb") as f:
+                    os.fsync(f.fileno())
+
+        folder, manifest = cp.save_folder(
+            out_dir, name, cp.DEEPSPEED_SUFFIX, write, TAG
+        )
+        entries = {
+            MODEL: self.model_state_dict(model),
+            **deepspeed_entries(folder, manifest, self.stage, du.get_world_size()),
+        }
+        if ema is not None:
+            entries[EMA] = ema.tensors()
+        return entries
+
+    def load_weights(self, model, optimizer, saved: SavedRun, ema) -> bool:
+        """DeepSpeed's own files where the layout is the same (exact); the
+        whole weights otherwise, the optimizer state afresh."""
+        if saved.deepspeed_layout != (self.stage, du.get_world_size()):
+            return super().load_weights(model, optimizer, saved, ema)
+        # Rank 0 checked the files before choosing this checkpoint (their
+        # checksums, and that they pickle nothing but DeepSpeed's own state).
+        directory = cp.deepspeed_folder(saved.path, saved.state)
+        loaded, _ = model.load_checkpoint(
+            directory,
+            tag=TAG,
+            load_module_strict=True,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
+        if loaded is None:
+            raise cp.DamagedCheckpointError(f"{directory}: DeepSpeed did not load it")
+        if ema is None or not saved.has_ema:
+            return False
+        ema.load(saved.ema_tensors, saved.ema_counters)
+        return True

@@ -1,0 +1,322 @@
+"""DIST.STRATEGY deepspeed: ZeRO 1-3 and offload train like DDP, evaluation is
+exact on any number of processes, checkpoints resume (on another world size
+too) and are read by the other tools, and bad input is refused before
+anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from helpers import (
+    TRAIN_NET,
+    assert_ok,
+    call_main,
+    free_port,
+    read_metrics,
+    run_command,
+    torchrun,
+    train_net,
+)
+
+from distribuuuu.deepspeed_config import generated_config, merge
+from distribuuuu.strategies.deepspeed import deepspeed_installed
+
+# CI installs the dev extra, which brings DeepSpeed: there the tests must run.
+needs_deepspeed = pytest.mark.skipif(
+    not deepspeed_installed() and not os.environ.get("CI"),
+    reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')",
+)
+# One epoch of LeNet-5 on the embedded digits, 2 processes x 64.
+LENET = ["MODEL.ARCH", "lenet5", "OPTIM.MAX_EPOCH", "1", "RNG_SEED", "3"]
+LENET += ["TRAIN.PRINT_FREQ", "100"]
+DEEPSPEED = ["DIST.STRATEGY", "deepspeed"]
+
+
+def _final(out: str) -> tuple[dict, dict]:
+    """The weights of the epoch-1 checkpoint and the last val record."""
+    path = os.path.join(out, "checkpoints", "ckpt_ep_0001.pth")
+    return torch.load(path, weights_only=True)["model"], read_metrics(out, "val")[-1]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("ddp"))
+    assert_ok(torchrun(2, *LENET, "OUT_DIR", out))
+    return out
+
+
+@needs_deepspeed
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "stage, offload",
+    [
+        (1, []),
+        (2, []),
+        (3, []),
+        (2, ["OFFLOAD_OPTIMIZER"]),
+        (3, ["OFFLOAD_OPTIMIZER", "OFFLOAD_PARAMS"]),
+    ],
+    ids=["zero1", "zero2", "zero3", "zero2-offload-optimizer", "zero3-offload"],
+)
+def test_zero_stages_train_like_ddp(tmp_path, ddp_run, stage, offload):
+    """One epoch on 2 ranks ends with DDP's weights (1e-5) and val loss (1e-4)."""
+    out = str(tmp_path)
+    keys = [*DEEPSPEED, "DIST.DEEPSPEED.ZERO_STAGE", str(stage)]
+    for key in offload:
+        keys += [f"DIST.DEEPSPEED.{key}", "cpu"]
+    result = torchrun(2, *LENET, *keys, "OUT_DIR", out)
+    assert_ok(result)
+    expected, expected_val = _final(ddp_run)
+    weights, val = _final(out)
+    assert weights.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=1e-5)
+    assert val["loss"] == pytest.approx(expected_val["loss"], rel=1e-4)
+    assert val["samples"] == 1000
+    with open(os.path.join(out, "ds_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == stage
+    assert config["train_micro_batch_size_per_gpu"] == 64
+    sections = {
+        "OFFLOAD_OPTIMIZER": "offload_optimizer",
+        "OFFLOAD_PARAMS": "offload_param",
+    }
+    for key, section in sections.items():
+        assert zero[section]["device"] == ("cpu" if key in offload else "none")
+    assert f"strategy deepspeed ZeRO-{stage}" in result.stdout
+    assert "MiB of gradients" in result.stdout
+    assert "MiB of optimizer state on the fullest process" in result.stdout
+
+
+@needs_deepspeed
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero3_on_1_and_3_processes_counts_every_val_image_alike(tmp_path):
+    """Global batch 192 as 1 x 192 and 3 x 64: ZeRO-3 evaluates all 1000 images
+    (uneven over 3 ranks, whose forward passes gather parameters together)
+    and gives the same val loss."""
+    keys = [*LENET, *DEEPSPEED, "DIST.DEEPSPEED.ZERO_STAGE", "3"]
+    one, three = str(tmp_path / "one"), str(tmp_path / "three")
+    assert_ok(train_net(*keys, "TRAIN.BATCH_SIZE", "192", "OUT_DIR", one))
+    assert_ok(torchrun(3, *keys, "TRAIN.BATCH_SIZE", "64", "OUT_DIR", three))
+    val_one, val_three = read_metrics(one, "val")[-1], read_metrics(three, "val")[-1]
+    assert val_one["samples"] == val_three["samples"] == 1000
+    assert val_three["loss"] == pytest.approx(val_one["loss"], rel=1e-4)
+
+
+@needs_deepspeed
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_checkpoint_of_2_ranks_goes_on_in_1_and_is_read_by_the_tools(tmp_path):
+    """On another world size the whole fp32 weights are loaded (the optimizer
+    state afresh); --eval-only under ddp and the inspector read the same file."""
+    out = str(tmp_path / "run")
+    keep = ["CHECKPOINT.PERIOD_ITERS", "10", "CHECKPOINT.KEEP", "2"]
+    assert_ok(torchrun(2, *LENET, *DEEPSPEED, *keep, "OUT_DIR", out))
+    first = read_metrics(out, "val")[-1]
+    kept = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    assert kept == [
+        "ckpt_ep_0000_it_0030.ds", "ckpt_ep_0000_it_0030.pth",
+        "ckpt_ep_0001.ds", "ckpt_ep_0001.pth", "last",
+    ]  # fmt: skip
+    checkpoint = os.path.join(out, "checkpoints", "ckpt_ep_0001.pth")
+    assert os.path.isdir(os.path.join(out, "checkpoints", "ckpt_ep_0001.ds", "zero"))
+    evaluated = train_net(
+        "--eval-only", "MODEL.ARCH", "lenet5", "MODEL.WEIGHTS", checkpoint,
+        "OUT_DIR", str(tmp_path / "eval"),
+    )  # fmt: skip
+    assert_ok(evaluated)
+    assert f"loss {first['loss']:.4f}" in evaluated.stdout
+    inspected = run_command(
+        [sys.executable, "tools/inspect_ckpt.py", checkpoint], timeout=120
+    )
+    assert_ok(inspected)
+    assert "lenet5" in inspected.stdout
+    more = ["OPTIM.MAX_EPOCH", "2", "TRAIN.AUTO_RESUME", "True", *keep]
+    resumed = train_net(*LENET, *DEEPSPEED, *more, "OUT_DIR", out)
+    assert_ok(resumed)
+    assert "resuming on 1 processes instead of 2" in resumed.stdout
+    assert "holds no optimizer state this strategy reads: it starts afresh" in (
+        resumed.stdout
+    )
+    second = read_metrics(out, "val")[-1]
+    assert second["epoch"] == 2 and second["samples"] == 1000
+    assert second["loss"] < first["loss"]  # it went on from the saved weights
+
+
+@needs_deepspeed
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_deepspeed_launcher_starts_it(tmp_path):
+    """DeepSpeed's own launcher (``deepspeed --num_gpus 2``, which passes
+    --local_rank and sets LOCAL_SIZE) is detected, with a CPU thread each."""
+    out = str(tmp_path)
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
+    launcher += ["--master_port", str(free_port())]
+    result = run_command([*launcher, TRAIN_NET, *LENET, *DEEPSPEED, "OUT_DIR", out])
+    assert_ok(result)
+    assert "launcher deepspeed" in result.stdout
+    assert "1 CPU thread(s) per process" in result.stdout
+    assert read_metrics(out, "val")[-1]["samples"] == 1000
+
+
+class _Marker:
+    """Pickles as a call that creates a file when unpickled."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_a_crafted_deepspeed_file_is_refused_before_anything_runs(tmp_path):
+    out, marker = str(tmp_path / "run"), str(tmp_path / "marker")
+    keys = [*LENET, *DEEPSPEED, "CHECKPOINT.PERIOD_ITERS", "0"]
+    assert_ok(train_net(*keys, "OUT_DIR", out))
+    files = os.path.join(out, "checkpoints", "ckpt_ep_0001.ds", "zero")
+    target = os.path.join(files, "mp_rank_00_model_states.pt")
+    torch.save({"module": _Marker(marker)}, target, pickle_protocol=2)
+    log = os.path.join(out, "log.txt")
+    size = os.path.getsize(log)
+    result = train_net(*keys, "OPTIM.MAX_EPOCH", "2", "TRAIN.AUTO_RESUME", "True",
+                       "OUT_DIR", out)  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "refused" in errors[0] and "posix.system" in errors[0]
+    assert not os.path.exists(marker)
+    assert os.path.getsize(log) == size  # nothing written
+
+
+# --- refused before anything is written (exit 2, one error line) ----------- #
+def _refused(tmp_path, capsys, *keys: str) -> str:
+    out = str(tmp_path / "out")
+    result = call_main(*LENET, *DEEPSPEED, *keys, "OUT_DIR", out)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    assert not os.path.exists(out)
+    return errors[0]
+
+
+def _json(tmp_path, text: str) -> str:
+    path = tmp_path / "ds_config.json"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "keys, words",
+    [
+        (["DIST.DEEPSPEED.ZERO_STAGE", "4"], "DIST.DEEPSPEED.ZERO_STAGE 4 is invalid"),
+        (["DIST.DEEPSPEED.OFFLOAD_OPTIMIZER", "disk"], "choose one of none, cpu"),
+        (["DIST.DEEPSPEED.OFFLOAD_PARAMS", "cpu"], "needs DIST.DEEPSPEED.ZERO_STAGE 3"),
+        (
+            ["DIST.DEEPSPEED.OFFLOAD_OPTIMIZER", "nvme"],
+            "needs DIST.DEEPSPEED.NVME_PATH",
+        ),
+        (
+            ["DIST.DEEPSPEED.ZERO_STAGE", "3", "MODEL.EMA", "True"],
+            "MODEL.EMA True is invalid: is not supported with DIST.DEEPSPEED",
+        ),
+    ],
+    ids=["stage", "offload", "params-offload", "nvme", "zero3-ema"],
+)
+def test_bad_keys_are_refused(tmp_path, capsys, keys, words):
+    assert words in _refused(tmp_path, capsys, *keys)
+
+
+def test_nvme_path_that_is_not_a_writable_directory(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    keys = ["DIST.DEEPSPEED.OFFLOAD_OPTIMIZER", "nvme"]
+    line = _refused(tmp_path, capsys, *keys, "DIST.DEEPSPEED.NVME_PATH", str(a_file))
+    assert "is not a writable directory" in line
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('{"zero_optimization": {"stage": 3', "not JSON"),
+        ("[1, 2]", "must hold a JSON object, not list"),
+        (
+            '{"zero_optimization": {"stage": 3}}',
+            "zero_optimization.stage 3 contradicts DIST.DEEPSPEED.ZERO_STAGE",
+        ),
+        ('{"gradient_clipping": 1.0}', "contradicts OPTIM.CLIP_GRAD_NORM"),
+        ('{"bf16": {"enabled": true}}', "contradicts TRAIN.MIXED_PRECISION"),
+        ('{"optimizer": {"type": "Adam"}}', "'optimizer' section contradicts OPTIM"),
+    ],
+    ids=["truncated", "list", "stage", "clip", "bf16", "optimizer"],
+)
+def test_user_json_that_is_bad_or_contradicts_our_keys(tmp_path, capsys, text, words):
+    path = _json(tmp_path, text)
+    line = _refused(tmp_path, capsys, "DIST.DEEPSPEED.CONFIG", path)
+    assert words in line and "DIST.DEEPSPEED.CONFIG" in line
+
+
+def test_missing_deepspeed_is_named_with_its_extra(tmp_path):
+    """DeepSpeed made unimportable in a real interpreter running the command."""
+    out = str(tmp_path / "out")
+    script = (
+        "import runpy, sys; sys.modules['deepspeed'] = None; "
+        f"sys.argv = ['train_net.py', *{[*LENET, *DEEPSPEED, 'OUT_DIR', out]!r}]; "
+        f"runpy.run_path({TRAIN_NET!r}, run_name='__main__')"
+    )
+    result = run_command([sys.executable, "-c", script], timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "pip install -e '.[deepspeed]'" in result.stderr
+    assert not os.path.exists(out)
+
+
+# --- the generated config and the merge ------------------------------------ #
+def _cfg(*keys):
+    from distribuuuu.config import get_cfg
+
+    cfg = get_cfg()
+    cfg.merge_from_list([*DEEPSPEED, *keys])
+    return cfg
+
+
+def test_generated_config_follows_our_keys():
+    cfg = _cfg(
+        "TRAIN.BATCH_SIZE", "16", "TRAIN.ACCUM_STEPS", "4",
+        "OPTIM.CLIP_GRAD_NORM", "2.5", "TRAIN.MIXED_PRECISION", "bf16",
+        "DIST.DEEPSPEED.ZERO_STAGE", "3", "DIST.DEEPSPEED.OFFLOAD_PARAMS", "nvme",
+        "DIST.DEEPSPEED.NVME_PATH", "/nvme",
+    )  # fmt: skip
+    config = generated_config(cfg, world_size=8)
+    assert config["train_micro_batch_size_per_gpu"] == 16
+    assert config["gradient_accumulation_steps"] == 4
+    assert config["train_batch_size"] == 16 * 4 * 8
+    assert config["gradient_clipping"] == 2.5
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_param"] == {"device": "nvme", "nvme_path": "/nvme"}
+    assert zero["offload_optimizer"] == {"device": "none"}
+
+
+def test_merge_adds_what_we_have_no_key_for_and_accepts_agreeing_values():
+    ours = generated_config(_cfg(), world_size=2)
+    theirs = {
+        "zero_optimization": {"stage": 2, "overlap_comm": True},
+        "gradient_clipping": 0,  # 0 and 0.0 agree
+        "wall_clock_breakdown": True,
+    }
+    merged = merge(ours, theirs)
+    assert merged["zero_optimization"]["overlap_comm"] is True
+    assert merged["zero_optimization"]["offload_optimizer"] == {"device": "none"}
+    assert merged["wall_clock_breakdown"] is True
+    with pytest.raises(ValueError, match="offload_optimizer.device"):
+        merge(ours, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(ValueError, match="fp16.enabled 1 contradicts"):
+        merge(ours, {"fp16": {"enabled": 1}})  # 1 is not false, nor true
