@@ -42,40 +42,71 @@ def _final(out: str) -> tuple[dict, dict]:
     return torch.load(path, weights_only=True)["model"], read_metrics(out, "val")[-1]
 
 
+def _ema(out: str) -> dict:
+    path = os.path.join(out, "checkpoints", "ckpt_ep_0001.pth")
+    return torch.load(path, weights_only=True)["ema"]
+
+
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("ddp"))
-    assert_ok(torchrun(2, *LENET, "OUT_DIR", out))
-    return out
+def ddp_run(tmp_path_factory):
+    """The OUT_DIR of a DDP run on 2 ranks with ``more`` keys (run once each)."""
+    runs: dict[tuple, str] = {}
+
+    def run(more: tuple[str, ...]) -> str:
+        if more not in runs:
+            out = str(tmp_path_factory.mktemp("ddp"))
+            assert_ok(torchrun(2, *LENET, *more, "OUT_DIR", out))
+            runs[more] = out
+        return runs[more]
+
+    return run
+
+
+# AdamW (2 parameter groups), accumulation, clipping and an EMA at once.
+RECIPE = ("OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.003", "TRAIN.ACCUM_STEPS")
+RECIPE += ("2", "OPTIM.CLIP_GRAD_NORM", "0.5", "MODEL.EMA", "True")
 
 
 @needs_deepspeed
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "stage, offload",
+    "stage, offload, more",
     [
-        (1, []),
-        (2, []),
-        (3, []),
-        (2, ["OFFLOAD_OPTIMIZER"]),
-        (3, ["OFFLOAD_OPTIMIZER", "OFFLOAD_PARAMS"]),
+        (1, [], ()),
+        (2, [], ()),
+        (3, [], ()),
+        (2, ["OFFLOAD_OPTIMIZER"], ()),
+        (3, ["OFFLOAD_OPTIMIZER", "OFFLOAD_PARAMS"], ()),
+        (2, [], RECIPE),
     ],
-    ids=["zero1", "zero2", "zero3", "zero2-offload-optimizer", "zero3-offload"],
+    ids=[
+        "zero1",
+        "zero2",
+        "zero3",
+        "zero2-offload-optimizer",
+        "zero3-offload",
+        "zero2-adamw-accum-clip-ema",
+    ],
 )
-def test_zero_stages_train_like_ddp(tmp_path, ddp_run, stage, offload):
+def test_zero_stages_train_like_ddp(tmp_path, ddp_run, stage, offload, more):
     """One epoch on 2 ranks ends with DDP's weights (1e-5) and val loss (1e-4)."""
     out = str(tmp_path)
-    keys = [*DEEPSPEED, "DIST.DEEPSPEED.ZERO_STAGE", str(stage)]
+    keys = [*DEEPSPEED, "DIST.DEEPSPEED.ZERO_STAGE", str(stage), *more]
     for key in offload:
         keys += [f"DIST.DEEPSPEED.{key}", "cpu"]
     result = torchrun(2, *LENET, *keys, "OUT_DIR", out)
     assert_ok(result)
-    expected, expected_val = _final(ddp_run)
+    reference = ddp_run(more)
+    expected, expected_val = _final(reference)
     weights, val = _final(out)
     assert weights.keys() == expected.keys()
     for key, value in expected.items():
         torch.testing.assert_close(weights[key], value, rtol=0, atol=1e-5)
+    if "MODEL.EMA" in more:
+        ema, expected_ema = _ema(out), _ema(reference)
+        for key, value in expected_ema.items():
+            torch.testing.assert_close(ema[key], value, rtol=0, atol=1e-5)
     assert val["loss"] == pytest.approx(expected_val["loss"], rel=1e-4)
     assert val["samples"] == 1000
     with open(os.path.join(out, "ds_config.json"), encoding="utf-8") as f:
@@ -83,6 +114,7 @@ def test_zero_stages_train_like_ddp(tmp_path, ddp_run, stage, offload):
     zero = config["zero_optimization"]
     assert zero["stage"] == stage
     assert config["train_micro_batch_size_per_gpu"] == 64
+    assert config["gradient_accumulation_steps"] == (2 if more else 1)
     sections = {
         "OFFLOAD_OPTIMIZER": "offload_optimizer",
         "OFFLOAD_PARAMS": "offload_param",
