@@ -52,7 +52,10 @@ def train_epoch(
     data_time, window_start = 0.0, time.perf_counter()
     try:
         for step in range(first, total):
-            lr = optim.lr_at(cfg.OPTIM, progress.epoch + step / total) * plan.lr_scale
+            lr = optim.lr_at(
+                cfg.OPTIM, optim.lr_epoch(cfg.OPTIM, progress.epoch, step / total)
+            )
+            lr *= plan.lr_scale
             optim.set_lr(state.optimizer, lr)
             data_time += train_step(state, batches, meter, loss_fn)
             progress.consumed += plan.global_batch

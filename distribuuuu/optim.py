@@ -1,11 +1,13 @@
 """Optimizer, parameter groups and learning-rate policy (set per iteration).
 
-The optimizer is SGD or AdamW over the trainable parameters, in one group, or
-in two with ``OPTIM.NO_DECAY_NORM_BIAS`` (normalization parameters and biases
-without weight decay).  :func:`lr_at` gives the learning rate at a fractional
-epoch from the ``OPTIM.LR_POLICY`` function of :data:`LR_POLICY_FUNCTIONS`,
-times the linear warmup; the trainer sets it with :func:`set_lr` before every
-optimizer step.  :func:`reference_lr_scale` is the linear scaling rule.
+The optimizer is SGD, AdamW, RMSProp (TensorFlow's), LAMB or LARS over the
+trainable parameters, in one group, or in two with ``OPTIM.NO_DECAY_NORM_BIAS``
+(normalization parameters and biases without weight decay; LAMB and LARS
+always split them off, without trust ratio).  :func:`lr_at` gives the
+learning rate at a fractional epoch from the ``OPTIM.LR_POLICY`` function of
+:data:`LR_POLICY_FUNCTIONS`, times the linear warmup; the trainer sets it with
+:func:`set_lr` before every optimizer step (at the epoch :func:`lr_epoch`
+says).  :func:`reference_lr_scale` is the linear scaling rule.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from yacs.config import CfgNode
+
+from distribuuuu.optimizers import Lamb, Lars, RMSpropTF
 
 logger = logging.getLogger(__name__)
 
@@ -60,17 +64,30 @@ def split_weight_decay(
     return decay, no_decay
 
 
+# Optimizers that scale each tensor's update by a trust ratio, which the norm
+# layers and biases do without.
+TRUST_RATIO = ("lamb", "lars")
+
+
 def build_param_groups(model: nn.Module, optim_cfg: CfgNode) -> list:
-    """The optimizer's parameters: one list, or groups for NO_DECAY_NORM_BIAS.
+    """The optimizer's parameters: one list, or groups of norm layers and biases.
 
     With ``OPTIM.NO_DECAY_NORM_BIAS`` two groups (empty ones left out): the
-    decayed parameters, then those with ``weight_decay`` 0.  Otherwise the
-    trainable parameters as one list, as before the switch existed.
+    decayed parameters, then those with ``weight_decay`` 0.  lamb and lars
+    always get the two groups, the second without trust ratio (and without
+    weight decay only with NO_DECAY_NORM_BIAS).  Otherwise the trainable
+    parameters as one list, as before the switch existed.
     """
-    if not optim_cfg.NO_DECAY_NORM_BIAS:
+    trust = optim_cfg.OPTIMIZER in TRUST_RATIO
+    if not (optim_cfg.NO_DECAY_NORM_BIAS or trust):
         return [p for p in model.parameters() if p.requires_grad]
     decay, no_decay = split_weight_decay(model)
-    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    plain: dict = {"params": no_decay}
+    if optim_cfg.NO_DECAY_NORM_BIAS:
+        plain["weight_decay"] = 0.0
+    if trust:
+        plain["trust_ratio"] = False
+    groups = [{"params": decay}, plain]
     return [group for group in groups if group["params"]]
 
 
@@ -98,17 +115,65 @@ def _adamw(params: list, optim_cfg: CfgNode) -> torch.optim.Optimizer:
     )
 
 
+def _rmsprop(params: list, optim_cfg: CfgNode) -> torch.optim.Optimizer:
+    """TensorFlow's RMSProp (EfficientNet's optimizer)."""
+    return RMSpropTF(
+        params,
+        lr=optim_cfg.BASE_LR,
+        alpha=optim_cfg.RMSPROP_ALPHA,
+        eps=optim_cfg.EPS,
+        momentum=optim_cfg.MOMENTUM,
+        weight_decay=optim_cfg.WEIGHT_DECAY,
+    )
+
+
+def _lamb(params: list, optim_cfg: CfgNode) -> torch.optim.Optimizer:
+    """LAMB: AdamW's update scaled per tensor by its trust ratio."""
+    beta1, beta2 = optim_cfg.BETAS
+    return Lamb(
+        params,
+        lr=optim_cfg.BASE_LR,
+        betas=(float(beta1), float(beta2)),
+        eps=optim_cfg.EPS,
+        weight_decay=optim_cfg.WEIGHT_DECAY,
+    )
+
+
+def _lars(params: list, optim_cfg: CfgNode) -> torch.optim.Optimizer:
+    """LARS: momentum SGD with a per-tensor local learning rate."""
+    return Lars(
+        params,
+        lr=optim_cfg.BASE_LR,
+        momentum=optim_cfg.MOMENTUM,
+        weight_decay=optim_cfg.WEIGHT_DECAY,
+        eta=optim_cfg.LARS_ETA,
+    )
+
+
 # OPTIM.OPTIMIZER -> constructor from (parameters or groups, OPTIM section).
 OPTIMIZERS: dict[str, Callable[[list, CfgNode], torch.optim.Optimizer]] = {
     "sgd": _sgd,
     "adamw": _adamw,
+    "rmsprop": _rmsprop,
+    "lamb": _lamb,
+    "lars": _lars,
 }
+
+
+def state_tensors(optim_cfg: CfgNode) -> int:
+    """Tensors of optimizer state per parameter tensor (the size of memory
+    that OPTIM's optimizer keeps, in parameters)."""
+    if optim_cfg.OPTIMIZER == "sgd":
+        return int(optim_cfg.MOMENTUM > 0)
+    return {"adamw": 2, "rmsprop": 2, "lamb": 2, "lars": 1}[optim_cfg.OPTIMIZER]
 
 
 def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:
     """One line: each group's weight decay, tensors and parameters."""
     parts = [
-        f"weight decay {group['weight_decay']:g} on {len(group['params'])} tensors "
+        f"weight decay {group['weight_decay']:g}"
+        + " without trust ratio" * (group.get("trust_ratio") is False)
+        + f" on {len(group['params'])} tensors "
         f"({sum(p.numel() for p in group['params']):,} parameters)"
         for group in optimizer.param_groups
     ]
@@ -205,6 +270,13 @@ def reference_lr_scale(optim_cfg: CfgNode, global_batch: int) -> float:
     if optim_cfg.REFERENCE_BATCH <= 0:
         return 1.0
     return global_batch / optim_cfg.REFERENCE_BATCH
+
+
+def lr_epoch(optim_cfg: CfgNode, epoch: int, fraction: float) -> float:
+    """Where in the schedule a step ``fraction`` of the way into ``epoch``
+    takes its learning rate: there (``OPTIM.LR_STEP iter``), or at the
+    epoch's start (``epoch``, as timm's and torchvision's scripts step it)."""
+    return epoch + fraction if optim_cfg.LR_STEP == "iter" else float(epoch)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -106,6 +106,20 @@ def check_layout(cfg: CfgNode, world_size: int) -> None:
         raise ConfigError(str(error)) from error
 
 
+def check_model(cfg: CfgNode) -> None:
+    """Refuse a model key that the model has nothing for; raise ConfigError."""
+    from distribuuuu.models import zero_init_residual
+
+    if not cfg.MODEL.ZERO_INIT_RESIDUAL:
+        return
+    if not zero_init_residual(_model_skeleton(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES)):
+        raise ConfigError(
+            f"MODEL.ZERO_INIT_RESIDUAL: {cfg.MODEL.ARCH} has no residual block "
+            "whose last BatchNorm it could zero (ResNets: torchvision's, the "
+            "small ones, timm's)"
+        )
+
+
 # Training images of the data sets of a fixed size.
 _TRAIN_IMAGES = {"mnist5k": 4000, "cifar10": 50_000, "cifar100": 50_000}
 

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from helpers import call_main
 
-from distribuuuu.models import build_model, find_blocks, is_model, list_models
+from distribuuuu.models import (
+    build_model,
+    find_blocks,
+    is_model,
+    list_models,
+    zero_init_residual,
+)
 
 
 def test_registry_has_torchvision_and_small_models():
@@ -62,3 +71,47 @@ def test_find_blocks_finds_the_blocks_of_timm_families(name, blocks):
     """Activation checkpointing and FSDP wrap these; parameter names unchanged."""
     pytest.importorskip("timm")
     assert len(find_blocks(build_model(f"timm/{name}", 3))) == blocks
+
+
+@pytest.mark.parametrize(
+    "arch, blocks, norm",
+    [
+        ("resnet18", 8, "bn2"),
+        ("resnet50", 16, "bn3"),
+        ("resnet8", 3, "bn2"),
+    ],  # fmt: skip
+)
+def test_zero_init_residual_zeroes_the_last_norm_of_each_block(arch, blocks, norm):
+    model = build_model(arch, 10)
+    assert zero_init_residual(model) == blocks
+    last = [getattr(m, norm) for m in model.modules() if hasattr(m, norm)]
+    assert len(last) == blocks and all(not n.weight.any() for n in last)
+    others = [m for n, m in model.named_modules() if n.endswith("bn1")]
+    assert all(m.weight.all() for m in others)  # the rest keeps its init
+
+
+def test_zero_init_residual_of_timm_and_of_a_model_without_blocks():
+    timm = pytest.importorskip("timm")
+    model = timm.create_model("resnet18", num_classes=10)
+    for module in model.modules():
+        if hasattr(module, "bn2"):
+            torch.nn.init.ones_(module.bn2.weight)
+    assert zero_init_residual(model) == 8
+    assert not any(m.bn2.weight.any() for m in model.modules() if hasattr(m, "bn2"))
+    assert zero_init_residual(build_model("lenet5", 10)) == 0
+
+
+@pytest.mark.parametrize(
+    "keys, words",
+    [
+        (["MODEL.ARCH", "lenet5"], "lenet5 has no residual block"),
+        (["MODEL.PRETRAINED", "True"], "would zero layers of the pretrained"),
+    ],
+)
+def test_zero_init_residual_refused_where_it_cannot_apply(tmp_path, keys, words):
+    out = str(tmp_path / "out")
+    result = call_main("MODEL.ZERO_INIT_RESIDUAL", "True", *keys, "OUT_DIR", out)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and words in errors[0]
+    assert not os.path.exists(out)

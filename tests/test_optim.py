@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import TINY, assert_ok, read_metrics, train_net
 from torch import nn
 from yacs.config import CfgNode
 
@@ -15,6 +16,7 @@ from distribuuuu.optim import (
     LR_POLICY_FUNCTIONS,
     build_optimizer,
     lr_at,
+    lr_epoch,
     reference_lr_scale,
     set_lr,
     split_weight_decay,
@@ -158,8 +160,8 @@ def test_unknown_policy_and_optimizer_raise_value_error():
     cfg.OPTIM.LR_POLICY = "triangular"
     with pytest.raises(ValueError, match="unknown OPTIM.LR_POLICY 'triangular'"):
         lr_at(cfg.OPTIM, 1.0)
-    cfg.OPTIM.OPTIMIZER = "lamb"
-    with pytest.raises(ValueError, match="unknown OPTIM.OPTIMIZER 'lamb'"):
+    cfg.OPTIM.OPTIMIZER = "lion"
+    with pytest.raises(ValueError, match="unknown OPTIM.OPTIMIZER 'lion'"):
         build_optimizer(torch.nn.Linear(2, 2), cfg.OPTIM)
 
 
@@ -363,8 +365,8 @@ def test_reference_lr_scale():
     [
         (
             ["OPTIM.OPTIMIZER", "adam"],
-            "OPTIM.OPTIMIZER 'adam' is invalid: choose one of sgd, adamw; "
-            "did you mean adamw?",
+            "OPTIM.OPTIMIZER 'adam' is invalid: choose one of sgd, adamw, rmsprop, "
+            "lamb, lars; did you mean adamw?",
         ),
         (["OPTIM.LR_POLICY", "onecycel"], "did you mean onecycle?"),
         (["OPTIM.BETAS", "[0.9]"], "must be [beta1, beta2], both in [0, 1)"),
@@ -377,6 +379,9 @@ def test_reference_lr_scale():
         (["OPTIM.REFERENCE_BATCH", "-1"], "must be >= 0 (0 = off)"),
         (["OPTIM.REFERENCE_BATCH", "0.5"], "expected an integer"),
         (["OPTIM.NO_DECAY_NORM_BIAS", "maybe"], "expected True or False"),
+        (["OPTIM.LR_STEP", "batch"], "OPTIM.LR_STEP 'batch' is invalid: choose one"),
+        (["OPTIM.RMSPROP_ALPHA", "1"], "must be in [0, 1)"),
+        (["OPTIM.LARS_ETA", "0"], "OPTIM.LARS_ETA 0.0 is invalid: must be > 0"),
     ],
 )
 def test_bad_optim_values_are_refused(opts, message):
@@ -384,3 +389,30 @@ def test_bad_optim_values_are_refused(opts, message):
         load_cfg(None, opts)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_lr_step_iter_moves_every_step_and_epoch_once_per_epoch():
+    iter_cfg = load_cfg(None, []).OPTIM
+    epoch_cfg = load_cfg(None, ["OPTIM.LR_STEP", "epoch"]).OPTIM
+    assert lr_epoch(iter_cfg, 2, 0.5) == 2.5
+    assert lr_epoch(epoch_cfg, 2, 0.5) == lr_epoch(epoch_cfg, 2, 0.99) == 2.0
+    # warmup too: at epoch 0 the whole first epoch takes the warmup's start
+    assert lr_at(epoch_cfg, lr_epoch(epoch_cfg, 0, 0.9)) == pytest.approx(0.01)
+    assert lr_at(iter_cfg, lr_epoch(iter_cfg, 0, 0.9)) > 0.08
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", ["iter", "epoch"])
+def test_lr_step_in_the_train_records(tmp_path, step):
+    result = train_net(*TINY, "OPTIM.MAX_EPOCH", "2", "OPTIM.LR_STEP", step,
+                       "OUT_DIR", str(tmp_path))  # fmt: skip
+    assert_ok(result)
+    rates: dict[int, set] = {}
+    for record in read_metrics(str(tmp_path), "train"):
+        rates.setdefault(record["epoch"], set()).add(record["lr"])
+    assert sorted(rates) == [1, 2]
+    if step == "epoch":
+        assert [len(r) for r in rates.values()] == [1, 1]
+        assert rates[1] != rates[2]
+    else:
+        assert all(len(r) > 1 for r in rates.values())

@@ -32,6 +32,11 @@ _C.MODEL.NUM_CLASSES = 10
 _C.MODEL.PRETRAINED = False
 # Convert BatchNorm layers to synchronized BatchNorm across processes
 _C.MODEL.SYNCBN = False
+# Start every residual block as the identity: zero the scale of the last
+# BatchNorm of its branch (Goyal et al. 2017; torchvision's zero_init_residual,
+# timm's zero_init_last). ResNets only (torchvision's, the small ones, timm's);
+# a fresh initialisation only (not with PRETRAINED)
+_C.MODEL.ZERO_INIT_RESIDUAL = False
 # Weights to start from (a checkpoint or a plain state_dict); null = none
 _C.MODEL.WEIGHTS = None
 # Fine-tune MODEL.WEIGHTS into a head of another size: the classifier keys whose
@@ -206,7 +211,11 @@ _C.OPTIM = CfgNode()
 _C.OPTIM.MAX_EPOCH = 10
 # Optimizer: sgd (MOMENTUM, DAMPENING, NESTEROV) | adamw (torch.optim.AdamW with
 # BETAS and EPS; its WEIGHT_DECAY is decoupled from the gradient, Loshchilov &
-# Hutter 2019, and is typically about 0.05, as in DeiT)
+# Hutter 2019, and is typically about 0.05, as in DeiT) | rmsprop (TensorFlow's
+# RMSProp, as EfficientNet's recipe uses it: RMSPROP_ALPHA, MOMENTUM, EPS inside
+# the square root, e.g. 1e-3) | lamb (You et al. 2020: BETAS, EPS, decoupled
+# WEIGHT_DECAY, per-tensor trust ratio) | lars (You et al. 2017: MOMENTUM,
+# LARS_ETA). lamb and lars give normalization layers and biases no trust ratio
 _C.OPTIM.OPTIMIZER = "sgd"
 # Learning-rate policy, set every iteration: cos (cosine from BASE_LR to MIN_LR)
 # | steps (multiply by LR_MULT at each epoch in STEPS) | exp (BASE_LR * LR_GAMMA
@@ -215,6 +224,10 @@ _C.OPTIM.OPTIMIZER = "sgd"
 # of MAX_EPOCH, then cosine fall to MIN_LR, as torch's OneCycleLR with
 # anneal_strategy "cos"). The warmup below multiplies every policy
 _C.OPTIM.LR_POLICY = "cos"
+# When the policy (and warmup) moves: iter (every optimizer step, at the
+# fractional epoch) | epoch (once per epoch, constant within it, as timm's
+# train.py and torchvision's reference scripts step their schedulers)
+_C.OPTIM.LR_STEP = "iter"
 # Learning rate for the global batch (no automatic scaling with world size unless
 # REFERENCE_BATCH is set)
 _C.OPTIM.BASE_LR = 0.1
@@ -252,8 +265,13 @@ _C.OPTIM.WEIGHT_DECAY = 5e-4
 _C.OPTIM.NO_DECAY_NORM_BIAS = False
 # AdamW coefficients of the running averages of the gradient and its square
 _C.OPTIM.BETAS = [0.9, 0.999]
-# AdamW term added to the denominator for numerical stability
+# AdamW and lamb: term added to the denominator for numerical stability;
+# rmsprop: term added to the mean square inside the square root
 _C.OPTIM.EPS = 1e-8
+# rmsprop: decay of the running mean of the squared gradient (TensorFlow's rho)
+_C.OPTIM.RMSPROP_ALPHA = 0.9
+# lars: trust coefficient of the local learning rate
+_C.OPTIM.LARS_ETA = 0.001
 # Linear scaling rule (Goyal et al. 2017): when > 0 the learning rate is
 # multiplied by global batch / REFERENCE_BATCH, so BASE_LR is the learning rate
 # for REFERENCE_BATCH images (e.g. 0.1 for 256 in the ResNet recipe); 0 = off

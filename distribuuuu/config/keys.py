@@ -34,7 +34,7 @@ RENAMED = {
 
 DATA_NAMES = ("auto", "mnist5k", "imagefolder", "cifar10", "cifar100", "synthetic")
 LR_POLICIES = ("cos", "steps", "exp", "linear", "onecycle")
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "rmsprop", "lamb", "lars")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("", "nccl", "gloo")
 DIST_MODES = ("ddp", "dp")
@@ -51,6 +51,7 @@ CHOICES = {
     "DATA.DECODER": ("tensor", "pil"),
     "OPTIM.LR_POLICY": LR_POLICIES,
     "OPTIM.OPTIMIZER": OPTIMIZERS,
+    "OPTIM.LR_STEP": ("iter", "epoch"),
     "DIST.BACKEND": BACKENDS,
     "DIST.MODE": DIST_MODES,
     "DIST.STRATEGY": STRATEGIES,

@@ -67,6 +67,8 @@ _RANGES = {
         "must be [beta1, beta2], both in [0, 1)",
     ),
     "OPTIM.EPS": (lambda v: v > 0, "must be > 0"),
+    "OPTIM.RMSPROP_ALPHA": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "OPTIM.LARS_ETA": (lambda v: v > 0, "must be > 0"),
     "OPTIM.REFERENCE_BATCH": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "OPTIM.MOMENTUM": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "OPTIM.DAMPENING": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
@@ -282,12 +284,20 @@ def _validate_test(cfg: CfgNode) -> None:
 
 
 def _validate_model(cfg: CfgNode) -> None:
-    """MODEL: FINETUNE has WEIGHTS to start from, and MODEL.WEIGHTS is a file."""
+    """MODEL: FINETUNE has WEIGHTS to start from, MODEL.WEIGHTS is a file,
+    ZERO_INIT_RESIDUAL is not asked of pretrained weights."""
     _check(
         not cfg.MODEL.FINETUNE or bool(cfg.MODEL.WEIGHTS),
         "MODEL.FINETUNE",
         True,
         "needs MODEL.WEIGHTS, the checkpoint to fine-tune",
+    )
+    _check(
+        not (cfg.MODEL.ZERO_INIT_RESIDUAL and cfg.MODEL.PRETRAINED),
+        "MODEL.ZERO_INIT_RESIDUAL",
+        True,
+        "would zero layers of the pretrained weights (MODEL.PRETRAINED True); it "
+        "is for a fresh initialisation",
     )
     if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
         raise ConfigError(f"MODEL.WEIGHTS: no such file {cfg.MODEL.WEIGHTS}")

@@ -129,6 +129,37 @@ def build_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Mod
     return model
 
 
+def _last_residual_norm(block: nn.Module) -> nn.Module | None:
+    """The normalization that ends the residual branch of a ResNet block:
+    torchvision's and our small ResNets' (bn2 of a BasicBlock, bn3 of a
+    Bottleneck)."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    if isinstance(block, Bottleneck):
+        return block.bn3
+    if isinstance(block, BasicBlock | small.BasicBlock):
+        return block.bn2
+    return None
+
+
+def zero_init_residual(model: nn.Module) -> int:
+    """Zero the scale of the last normalization of every residual branch, so
+    each block starts as the identity (Goyal et al. 2017, torchvision's
+    ``zero_init_residual``); timm blocks do it themselves
+    (``zero_init_last``).  The number of blocks changed (0: none found)."""
+    count = 0
+    for module in model.modules():
+        if callable(getattr(module, "zero_init_last", None)):  # timm's blocks
+            module.zero_init_last()
+            count += 1
+            continue
+        norm = _last_residual_norm(module)
+        if norm is not None and norm.weight is not None:
+            nn.init.zeros_(norm.weight)
+            count += 1
+    return count
+
+
 def _timm_block_types() -> tuple[type, ...]:
     """Classes of :data:`_TIMM_BLOCKS` in the installed timm; none before timm
     is imported (no timm model can exist then, and the import costs time)."""

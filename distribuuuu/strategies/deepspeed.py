@@ -91,10 +91,6 @@ def join_group(device: torch.device) -> None:
     torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
-# Optimizer state per parameter element, in fp32 numbers (for the report).
-_STATE_PER_ELEMENT = {"sgd": lambda o: int(o.MOMENTUM > 0), "adamw": lambda o: 2}
-
-
 class DeepSpeedStrategy(Strategy):
     """DeepSpeed's engine with ZeRO; our optimizer, schedule and checkpoints."""
 
@@ -170,7 +166,7 @@ class DeepSpeedStrategy(Strategy):
             partition = sum(t.numel() for t in zero.single_partition_of_fp32_groups)
         params = sum(t.numel() * t.element_size() for t in mine)
         grads = params if self.stage == 1 else partition * 4
-        per = _STATE_PER_ELEMENT[self.cfg.OPTIM.OPTIMIZER](self.cfg.OPTIM)
+        per = optim.state_tensors(self.cfg.OPTIM)
         # fp32 master weights beside low-precision ones (mixed precision).
         masters = partition if self.amp_dtype is not None else 0
         state = (partition * per + masters) * 4
