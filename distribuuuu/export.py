@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from distribuuuu import checkpoint as cp
+from distribuuuu.data import eval_sizes
 from distribuuuu.inference import load_for_inference
 from distribuuuu.models import build_model
 
@@ -94,7 +95,7 @@ def export_weights(
     Raises MismatchError at the first artefact whose outputs differ.
     """
     model, cfg, _ = load_for_inference(weights, cfg_file, opts)
-    size = cfg.TRAIN.IM_SIZE
+    size = eval_sizes(cfg)[1]  # the size of the images inference sees
     example = random_batch(EXAMPLE_BATCH, size, seed=0)
     check = random_batch(CHECK_BATCH, size, seed=1)
     with torch.no_grad():

@@ -122,7 +122,7 @@ def test_original_full_recipe_dump_loads(tmp_path):
             ["OPTIM.STEPS", "[5, 2]", "OPTIM.MAX_EPOCH", "9"],
             ["OPTIM.STEPS", "increasing"],
         ),
-        (["TEST.IM_SIZE", "20"], ["TEST.IM_SIZE", "TRAIN.IM_SIZE=28"]),
+        (["TEST.IM_SIZE", "20"], ["TEST.IM_SIZE 20", "the evaluation crop 28"]),
         (["MODEL.NUM_CLASSES", "5"], ["mnist5k has 10 classes"]),
         (["OPTIM.MAX_EPOCH"], ["KEY VALUE pairs"]),
     ],

@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from distribuuuu.config import load_cfg
+from distribuuuu.config import get_cfg, load_cfg, resolve_data_name
 from distribuuuu.data import (
     SeededDataset,
     build_dataset,
@@ -15,6 +15,8 @@ from distribuuuu.data import (
     build_test_loader,
     build_test_transform,
     build_train_loader,
+    eval_sizes,
+    flip_probability,
     image_reader,
 )
 from distribuuuu.data.datasets import (
@@ -272,3 +274,86 @@ def test_tensor_decoder_reads_other_formats_and_names_a_damaged_file(tmp_path):
     garbage.write_bytes(b"\xff\xd8 not really a jpeg")
     with pytest.raises(DataError, match="bad.jpg"):
         decode_image_file(str(garbage))
+
+
+# --- evaluation geometry, interpolation and the flip ------------------------ #
+def _cfg(*keys: str):
+    """The default config with ``keys`` merged, unvalidated (no image folder
+    needs to exist for a transform)."""
+    cfg = get_cfg()
+    cfg.merge_from_list(list(keys))
+    return cfg
+
+
+def _picture(width: int = 400, height: int = 300) -> Image.Image:
+    """An RGB picture whose columns differ, so a flip or a crop shows."""
+    ramp = torch.linspace(0, 255, width).to(torch.uint8).expand(height, width)
+    pixels = torch.stack([ramp, ramp.flip(1), torch.full_like(ramp, 90)], -1)
+    return Image.fromarray(pixels.numpy())
+
+
+def test_fixres_evaluates_a_larger_crop_than_training():
+    """torchvision's ResNet-50 recipe: train 176, evaluate 224 crops of 232."""
+    keys = ["DATA.NAME", "imagefolder", "TRAIN.IM_SIZE", "176", "TEST.IM_SIZE"]
+    cfg = _cfg(*keys, "232", "TEST.CROP_SIZE", "224")
+    assert eval_sizes(cfg) == (232, 224)
+    assert build_test_transform(cfg)(_picture()).shape == (3, 224, 224)
+    cfg = _cfg(*keys, "232")  # no crop size: the training size
+    assert build_test_transform(cfg)(_picture()).shape == (3, 176, 176)
+
+
+def test_crop_pct_gives_the_resize():
+    keys = ["DATA.NAME", "imagefolder", "TRAIN.IM_SIZE", "224", "TEST.IM_SIZE"]
+    cfg = _cfg(*keys, "224", "TEST.CROP_PCT", "0.875")
+    assert eval_sizes(cfg) == (256, 224)  # floor(224 / 0.875), TEST.IM_SIZE unused
+    same = _cfg(*keys, "256")
+    picture = _picture()
+    assert torch.equal(build_test_transform(cfg)(picture),
+                       build_test_transform(same)(picture))  # fmt: skip
+
+
+def test_bicubic_and_bilinear_resample_differently():
+    keys = ["DATA.NAME", "imagefolder", "TRAIN.IM_SIZE", "64", "TEST.IM_SIZE", "72"]
+    noise = torch.randint(0, 256, (300, 400, 3), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(0))  # fmt: skip
+    picture = Image.fromarray(noise.numpy())
+    bilinear = build_test_transform(_cfg(*keys))(picture)
+    bicubic = _cfg(*keys, "TEST.INTERPOLATION", "bicubic")
+    assert not torch.equal(build_test_transform(bicubic)(picture), bilinear)
+
+
+def test_digits_evaluate_at_the_crop_size():
+    cfg = load_cfg(None, ["TEST.CROP_SIZE", "32", "TEST.IM_SIZE", "32"])
+    image, _ = build_dataset(cfg, train=False)[0]
+    assert image.shape == (3, 32, 32)
+
+
+@pytest.mark.parametrize(
+    "keys, expected",
+    [
+        ([], 0.0),  # the digits: a mirrored 2 is not a 2
+        (["MODEL.DUMMY_INPUT", "True"], 0.5),
+        (["DATA.NAME", "imagefolder"], 0.5),
+        (["TRAIN.HFLIP", "0"], 0.0),
+        (["TRAIN.HFLIP", "0.25"], 0.25),
+    ],
+)
+def test_hflip_probability(keys, expected):
+    cfg = load_cfg(None, keys) if "imagefolder" not in keys else _cfg(*keys)
+    assert flip_probability(cfg, resolve_data_name(cfg)) == expected
+
+
+def test_hflip_one_always_mirrors_the_training_images():
+    keys = ["DATA.NAME", "imagefolder", "TRAIN.IM_SIZE", "300", "TEST.IM_SIZE"]
+    cfg = _cfg(*keys, "300", "TRAIN.HFLIP", "1.0")
+    from distribuuuu.data.transforms import imagenet_transforms
+
+    mirrored = imagenet_transforms(True, 300, 300, IMAGENET_MEAN, flip=1.0)
+    kept = imagenet_transforms(True, 300, 300, IMAGENET_MEAN, flip=0.0)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        a = mirrored(_picture(300, 300))
+        torch.manual_seed(seed)
+        b = kept(_picture(300, 300))
+        assert torch.equal(a, b.flip(-1))
+    assert flip_probability(cfg, "imagefolder") == 1.0

@@ -45,6 +45,7 @@ def _shrunk(path: str, out_dir: str) -> list[str]:
         *("TRAIN.BATCH_SIZE", str(batch), "TRAIN.ACCUM_STEPS", str(accum)),
         *("TEST.BATCH_SIZE", str(batch), "TRAIN.WORKERS", "0"),
         *("TRAIN.IM_SIZE", str(size), "TEST.IM_SIZE", str(size)),
+        *("TEST.CROP_SIZE", "0", "TEST.CROP_PCT", "0"),
         *("TRAIN.MIXED_PRECISION", "none"),
     ]
 

@@ -121,6 +121,11 @@ _C.TRAIN = CfgNode()
 _C.TRAIN.BATCH_SIZE = 64
 # Training crop size in pixels
 _C.TRAIN.IM_SIZE = 28
+# Probability of a horizontal flip of a training image; -1 = the data set's own
+# (0 for the digits, whose classes a mirror changes; 0.5 for the others)
+_C.TRAIN.HFLIP = -1.0
+# Resampling of the training resizes and crops: bilinear | bicubic
+_C.TRAIN.INTERPOLATION = "bilinear"
 # Data set root: the ImageNet layout for imagefolder, the CIFAR root for cifar*
 _C.TRAIN.DATASET = ""
 # Sub-directory of TRAIN.DATASET holding the training images (imagefolder)
@@ -186,8 +191,17 @@ _C.TEST.DATASET = ""
 _C.TEST.SPLIT = "val"
 # Images per process per evaluation step
 _C.TEST.BATCH_SIZE = 200
-# Resize the shorter side to this before the centre crop of TRAIN.IM_SIZE
+# Resize the shorter side to this before the centre crop of TEST.CROP_SIZE
 _C.TEST.IM_SIZE = 28
+# Evaluation crop in pixels; 0 = TRAIN.IM_SIZE. Larger than TRAIN.IM_SIZE for
+# FixRes (Touvron et al. 2019): torchvision's ResNet-50 recipe trains at 176 and
+# evaluates 224 crops of 232
+_C.TEST.CROP_SIZE = 0
+# Give the resize as a fraction instead: resize to floor(crop / CROP_PCT)
+# (timm's crop_pct, e.g. 0.875 for 256 -> 224); 0 = off (TEST.IM_SIZE)
+_C.TEST.CROP_PCT = 0.0
+# Resampling of the evaluation resize: bilinear | bicubic
+_C.TEST.INTERPOLATION = "bilinear"
 # Log evaluation progress every this many iterations
 _C.TEST.PRINT_FREQ = 10
 

@@ -52,6 +52,8 @@ CHOICES = {
     "OPTIM.LR_POLICY": LR_POLICIES,
     "OPTIM.OPTIMIZER": OPTIMIZERS,
     "OPTIM.LR_STEP": ("iter", "epoch"),
+    "TRAIN.INTERPOLATION": ("bilinear", "bicubic"),
+    "TEST.INTERPOLATION": ("bilinear", "bicubic"),
     "DIST.BACKEND": BACKENDS,
     "DIST.MODE": DIST_MODES,
     "DIST.STRATEGY": STRATEGIES,

@@ -67,6 +67,9 @@ _RANGES = {
         "must be [beta1, beta2], both in [0, 1)",
     ),
     "OPTIM.EPS": (lambda v: v > 0, "must be > 0"),
+    "TRAIN.HFLIP": (lambda v: v == -1 or 0 <= v <= 1, "must be in [0, 1], or -1"),
+    "TEST.CROP_SIZE": (lambda v: v >= 0, "must be >= 0 (0 = TRAIN.IM_SIZE)"),
+    "TEST.CROP_PCT": (lambda v: 0 <= v <= 1, "must be in (0, 1], or 0 (off)"),
     "OPTIM.RMSPROP_ALPHA": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "OPTIM.LARS_ETA": (lambda v: v > 0, "must be > 0"),
     "OPTIM.REFERENCE_BATCH": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
@@ -273,13 +276,16 @@ def _validate_pipeline(cfg: CfgNode) -> None:
 
 
 def _validate_test(cfg: CfgNode) -> None:
-    """TEST: the evaluation resize holds the training crop."""
+    """TEST: the evaluation resize holds the evaluation crop."""
+    crop = cfg.TEST.CROP_SIZE or cfg.TRAIN.IM_SIZE
+    if cfg.TEST.CROP_PCT:
+        return
     _check(
-        cfg.TEST.IM_SIZE >= cfg.TRAIN.IM_SIZE,
+        crop <= cfg.TEST.IM_SIZE,
         "TEST.IM_SIZE",
         cfg.TEST.IM_SIZE,
-        f"must be >= TRAIN.IM_SIZE={cfg.TRAIN.IM_SIZE} (evaluation resizes to "
-        "TEST.IM_SIZE, then centre-crops TRAIN.IM_SIZE)",
+        f"must be >= the evaluation crop {crop} (TEST.CROP_SIZE, or TRAIN.IM_SIZE "
+        "when it is 0): evaluation resizes to TEST.IM_SIZE, then centre-crops",
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -32,7 +33,9 @@ __all__ = [
     "check_data",
     "count_images",
     "find_image_files",
+    "flip_probability",
     "image_reader",
+    "eval_sizes",
 ]
 
 
@@ -65,17 +68,38 @@ def _statistics(name: str) -> tuple[tuple, tuple]:
     return ds.IMAGENET_MEAN, ds.IMAGENET_STD
 
 
+def eval_sizes(cfg: CfgNode) -> tuple[int, int]:
+    """The evaluation resize (of the shorter side) and centre crop, in pixels:
+    TEST.CROP_SIZE (or TRAIN.IM_SIZE) after TEST.IM_SIZE, or after
+    floor(crop / TEST.CROP_PCT) when that is set."""
+    crop = cfg.TEST.CROP_SIZE or cfg.TRAIN.IM_SIZE
+    if cfg.TEST.CROP_PCT:
+        return math.floor(crop / cfg.TEST.CROP_PCT), crop
+    return cfg.TEST.IM_SIZE, crop
+
+
+def flip_probability(cfg: CfgNode, name: str) -> float:
+    """TRAIN.HFLIP, or where it is -1, data set ``name``'s own."""
+    if cfg.TRAIN.HFLIP >= 0:
+        return cfg.TRAIN.HFLIP
+    return 0.5 if _SMALL_IMAGES.get(name, (0, None, None, True))[3] else 0.0
+
+
 def _transform(cfg: CfgNode, name: str, train: bool) -> v2.Transform:
     """The train or eval transform of data set ``name`` (images as it serves
     them, to uint8 tensors)."""
     size = cfg.TRAIN.IM_SIZE
     augment, erasing = _train_augment(cfg, name) if train else (None, 0.0)
     mean, _ = _statistics(name)
+    flip = flip_probability(cfg, name)
+    interpolation = (cfg.TRAIN if train else cfg.TEST).INTERPOLATION
+    resize, crop = eval_sizes(cfg)
     if name == "imagefolder":
-        test_size = cfg.TEST.IM_SIZE
-        return imagenet_transforms(train, size, test_size, mean, augment, erasing)
-    native, _, _, flip = _SMALL_IMAGES.get(name, (size, None, None, True))
-    return small_image_transforms(train, size, native, mean, flip, augment, erasing)
+        return imagenet_transforms(train, size, resize, mean, augment, erasing,
+                                   crop, flip, interpolation)  # fmt: skip
+    native = _SMALL_IMAGES[name][0] if name in _SMALL_IMAGES else size
+    return small_image_transforms(train, size if train else crop, native, mean,
+                                  flip, augment, erasing, interpolation)  # fmt: skip
 
 
 def build_normalizer(
@@ -99,7 +123,8 @@ def build_test_transform(cfg: CfgNode) -> v2.Compose:
     any size as :func:`image_reader` gives it, normalisation included.
 
     For the data sets served as small tensors (digits, CIFAR, synthetic) the
-    image is first resized and centre-cropped to TRAIN.IM_SIZE, which leaves
+    image is first resized and centre-cropped to the evaluation crop
+    (TEST.CROP_SIZE, or TRAIN.IM_SIZE), which leaves
     an image of that size untouched; grey images read as RGB have 3 equal
     channels, as the data sets serve them.
     """
@@ -107,7 +132,7 @@ def build_test_transform(cfg: CfgNode) -> v2.Compose:
     cpu = torch.device("cpu")
     steps = [_transform(cfg, name, train=False), build_normalizer(cfg, cpu)]
     if name != "imagefolder":
-        size = cfg.TRAIN.IM_SIZE
+        size = eval_sizes(cfg)[1]
         fit = [v2.PILToTensor(), v2.Resize(size, antialias=True), v2.CenterCrop(size)]
         steps = fit + steps
     return v2.Compose(steps)

@@ -79,20 +79,28 @@ def _train_end(mean: tuple, augment: v2.Transform | None, erasing: float) -> lis
     return steps
 
 
+# TRAIN.INTERPOLATION / TEST.INTERPOLATION -> torchvision's mode.
+INTERPOLATIONS = {
+    "bilinear": v2.InterpolationMode.BILINEAR,
+    "bicubic": v2.InterpolationMode.BICUBIC,
+}
+
+
 def small_image_transforms(
     train: bool,
     im_size: int,
     native_size: int,
     mean: tuple,
-    flip: bool,
+    flip: float,
     augment: v2.Transform | None = None,
     erasing: float = 0.0,
+    interpolation: str = "bilinear",
 ) -> v2.Transform:
     """Transforms of uint8 tensors of 28-32 px images (digits, CIFAR) to uint8.
 
     Training: random crop of ``im_size`` after zero padding by 1/8 of the size
     (4 px at 32 px, as in He et al. 2016 for CIFAR; 3 px at 28 px), plus a
-    horizontal flip where the classes allow it (not for digits), then
+    horizontal flip with probability ``flip`` (0 for digits), then
     ``augment`` (see :func:`auto_augment`) and random erasing with
     probability ``erasing`` (in the ``mean`` colour).  Testing: the full image
     (no ``augment``, no erasing).  Images are first resized when ``im_size``
@@ -101,11 +109,12 @@ def small_image_transforms(
     """
     steps: list = []
     if im_size != native_size:
-        steps.append(v2.Resize(im_size, antialias=True))
+        mode = INTERPOLATIONS[interpolation]
+        steps.append(v2.Resize(im_size, interpolation=mode, antialias=True))
     if train:
         steps.append(v2.RandomCrop(im_size, padding=max(1, im_size // 8)))
-        if flip:
-            steps.append(v2.RandomHorizontalFlip())
+        if flip > 0:
+            steps.append(v2.RandomHorizontalFlip(flip))
     else:
         augment, erasing = None, 0.0
     steps += _train_end(mean, augment, erasing)
@@ -119,6 +128,9 @@ def imagenet_transforms(
     mean: tuple,
     augment: v2.Transform | None = None,
     erasing: float = 0.0,
+    crop_size: int = 0,
+    flip: float = 0.5,
+    interpolation: str = "bilinear",
 ) -> v2.Compose:
     """ImageNet-style transforms of PIL images or uint8 tensors (3 x H x W) to
     uint8 tensors.
@@ -127,19 +139,24 @@ def imagenet_transforms(
     antialiased bilinear kernel instead of PIL's (pixel values differ by
     rounding) and run faster (1.2-1.7x with the decoding, ``tools/benchmark.py``).
 
-    Training: RandomResizedCrop(train_size), a horizontal flip, ``augment``
-    and random erasing with probability ``erasing`` (in the ``mean`` colour).
-    Testing: resize the shorter side to ``test_size``, then centre-crop
-    ``train_size`` (256 -> 224 in the usual ImageNet recipe), without
-    ``augment`` or erasing.  :class:`ToNormalizedFloat` follows, on the device.
+    Training: RandomResizedCrop(train_size), a horizontal flip with
+    probability ``flip``, ``augment`` and random erasing with probability
+    ``erasing`` (in the ``mean`` colour).  Testing: resize the shorter side to
+    ``test_size``, then centre-crop ``crop_size`` (0: ``train_size``; 256 ->
+    224 in the usual ImageNet recipe), without ``augment`` or erasing.  Both
+    resample with ``interpolation``.  :class:`ToNormalizedFloat` follows, on
+    the device.
     """
+    mode = INTERPOLATIONS[interpolation]
     if train:
-        steps = [
-            v2.RandomResizedCrop(train_size, antialias=True),
-            v2.RandomHorizontalFlip(),
-        ]
+        steps = [v2.RandomResizedCrop(train_size, interpolation=mode, antialias=True)]
+        if flip > 0:
+            steps.append(v2.RandomHorizontalFlip(flip))
     else:
-        steps = [v2.Resize(test_size, antialias=True), v2.CenterCrop(train_size)]
+        steps = [
+            v2.Resize(test_size, interpolation=mode, antialias=True),
+            v2.CenterCrop(crop_size or train_size),
+        ]
         augment, erasing = None, 0.0
     steps.append(v2.PILToTensor())
     return v2.Compose(steps + _train_end(mean, augment, erasing))
