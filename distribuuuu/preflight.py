@@ -108,11 +108,23 @@ def check_layout(cfg: CfgNode, world_size: int) -> None:
 
 def check_model(cfg: CfgNode) -> None:
     """Refuse a model key that the model has nothing for; raise ConfigError."""
-    from distribuuuu.models import zero_init_residual
+    import torch
 
-    if not cfg.MODEL.ZERO_INIT_RESIDUAL:
+    from distribuuuu.models import build_configured, zero_init_residual
+
+    keys = cfg.MODEL
+    values = (keys.DROPOUT, keys.DROP_PATH, keys.BN_MOMENTUM, keys.BN_EPS)
+    if not (keys.ZERO_INIT_RESIDUAL or max(values) >= 0):
         return
-    if not zero_init_residual(_model_skeleton(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES)):
+    model_cfg = cfg.clone()
+    model_cfg.defrost()
+    model_cfg.MODEL.PRETRAINED = False  # the layers are there without the weights
+    try:
+        with torch.device("meta"):
+            model = build_configured(model_cfg.MODEL)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    if cfg.MODEL.ZERO_INIT_RESIDUAL and not zero_init_residual(model):
         raise ConfigError(
             f"MODEL.ZERO_INIT_RESIDUAL: {cfg.MODEL.ARCH} has no residual block "
             "whose last BatchNorm it could zero (ResNets: torchvision's, the "

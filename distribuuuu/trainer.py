@@ -33,7 +33,7 @@ from distribuuuu.evaluation import EvalSpec, evaluate, evaluate_epoch, strategy_
 from distribuuuu.logger import MetricsWriter
 from distribuuuu.loop import StopRequest, train_epoch
 from distribuuuu.meters import PeakMemory
-from distribuuuu.models import build_model, zero_init_residual
+from distribuuuu.models import build_configured, zero_init_residual
 from distribuuuu.precision import resolve_precision
 from distribuuuu.recompute import enable_activation_checkpointing
 from distribuuuu.resume import resume_or_load, save_training_checkpoint
@@ -151,7 +151,7 @@ def build_train_state(
     seed = resolve_seed(cfg.RNG_SEED)
     seed_everything(seed + rank)
     train_set, val_set = build_dataset(cfg, True), build_dataset(cfg, False)
-    model = build_model(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, cfg.MODEL.PRETRAINED)
+    model = build_configured(cfg.MODEL)
     if cfg.MODEL.ZERO_INIT_RESIDUAL:
         blocks = zero_init_residual(model)
         logger.info("residual branches zero-initialised in %d blocks", blocks)

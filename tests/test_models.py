@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import call_main
 
+from distribuuuu.config import load_cfg
 from distribuuuu.models import (
     build_model,
     find_blocks,
@@ -114,4 +115,70 @@ def test_zero_init_residual_refused_where_it_cannot_apply(tmp_path, keys, words)
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and words in errors[0]
+    assert not os.path.exists(out)
+
+
+# --- MODEL.DROPOUT, DROP_PATH, BN_MOMENTUM, BN_EPS ------------------------- #
+def _configured(*keys: str):
+    from distribuuuu.models import build_configured
+
+    return build_configured(load_cfg(None, list(keys)).MODEL)
+
+
+def test_drop_path_changes_training_outputs_only():
+    from distribuuuu.models import regularize
+
+    torch.manual_seed(0)
+    images = torch.randn(4, 3, 64, 64)
+    plain = _configured("MODEL.ARCH", "efficientnet_b0", "MODEL.DROP_PATH", "0")
+    dropped = _configured("MODEL.ARCH", "efficientnet_b0", "MODEL.DROP_PATH", "0.5")
+    dropped.load_state_dict(plain.state_dict())  # same weights, same keys
+    plain.eval(), dropped.eval()
+    with torch.no_grad():
+        assert torch.equal(plain(images), dropped(images))
+        plain.train(), dropped.train()
+        torch.manual_seed(1)
+        once = plain(images)
+        torch.manual_seed(1)
+        assert not torch.allclose(dropped(images), once)
+    # torchvision's ViT, which has none of its own: both branches of each block
+    from torchvision.models import VisionTransformer
+
+    vit = VisionTransformer(32, 16, num_layers=3, num_heads=2, hidden_dim=16,
+                            mlp_dim=32, num_classes=10)  # fmt: skip
+    keys = set(vit.state_dict())
+    cfg = load_cfg(None, ["MODEL.ARCH", "vit_b_16", "MODEL.DROP_PATH", "0.2"])
+    regularize.regularize(vit, "vit_b_16", cfg.MODEL)
+    rates = [m.p for m in vit.modules() if type(m).__name__ == "StochasticDepth"]
+    assert rates == pytest.approx([0.0, 0.0, 0.1, 0.1, 0.2, 0.2])
+    assert set(vit.state_dict()) == keys  # checkpoints unchanged
+
+
+def test_dropout_and_batchnorm_values_reach_every_layer():
+    model = _configured(
+        "MODEL.ARCH", "efficientnet_b0", "MODEL.DROPOUT", "0.35",
+        "MODEL.BN_MOMENTUM", "0.01", "MODEL.BN_EPS", "0.001",
+    )  # fmt: skip
+    assert model.classifier[0].p == 0.35
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and all((m.momentum, m.eps) == (0.01, 0.001) for m in norms)
+
+
+@pytest.mark.parametrize(
+    "keys, words",
+    [
+        (["MODEL.ARCH", "resnet18", "MODEL.DROPOUT", "0.2"], "MODEL.DROPOUT: resnet18"),
+        (["MODEL.DROP_PATH", "0.1"], "MODEL.DROP_PATH: resnet20 has no such layers"),
+        (["MODEL.ARCH", "vit_b_16", "MODEL.BN_EPS", "0.001"], "has no BatchNorm"),
+        (["MODEL.DROP_PATH", "1.0"], "MODEL.DROP_PATH 1.0 is invalid"),
+    ],
+)
+def test_regularisation_keys_refused_where_the_model_lacks_the_layers(
+    tmp_path, keys, words
+):
+    out = str(tmp_path / "out")
+    result = call_main(*keys, "OUT_DIR", out)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and words in errors[0], errors
     assert not os.path.exists(out)

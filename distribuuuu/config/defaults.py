@@ -37,6 +37,18 @@ _C.MODEL.SYNCBN = False
 # timm's zero_init_last). ResNets only (torchvision's, the small ones, timm's);
 # a fresh initialisation only (not with PRETRAINED)
 _C.MODEL.ZERO_INIT_RESIDUAL = False
+# Dropout rate, given to the model's constructor (torchvision's dropout, timm's
+# drop_rate: before the classifier in most families); -1 = the model's own
+_C.MODEL.DROPOUT = -1.0
+# Stochastic depth (drop path) rate: torchvision's stochastic_depth_prob, timm's
+# drop_path_rate (each family's own per-block schedule); for torchvision's ViT,
+# on both branches of block i of L at rate * i / (L - 1); -1 = the model's own
+_C.MODEL.DROP_PATH = -1.0
+# Momentum of every BatchNorm's running statistics (torch's convention: the
+# weight of the new batch); -1 = the model's own
+_C.MODEL.BN_MOMENTUM = -1.0
+# Epsilon of every BatchNorm (EfficientNet uses 1e-3); -1 = the model's own
+_C.MODEL.BN_EPS = -1.0
 # Weights to start from (a checkpoint or a plain state_dict); null = none
 _C.MODEL.WEIGHTS = None
 # Fine-tune MODEL.WEIGHTS into a head of another size: the classifier keys whose

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from distribuuuu.models import small, vit
+from distribuuuu.models import regularize, small, vit
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ _SMALL: dict[str, Callable[[int], nn.Module]] = {
     "lenet5": small.LeNet5,
     "vit_tiny_patch4": vit.vit_tiny_patch4,
 }
-TIMM_PREFIX = "timm/"
+TIMM_PREFIX = regularize.TIMM_PREFIX
 # The repeated blocks of the common timm families, by module of timm.models, as
 # class names: the classes come and go between timm releases, so a missing one
 # is skipped.  CondConvResidual subclasses InvertedResidual; DeiT builds
@@ -95,11 +95,14 @@ def is_model(name: str) -> bool:
     return name in _SMALL or name in _torchvision_names()
 
 
-def build_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Module:
+def build_model(
+    name: str, num_classes: int, pretrained: bool = False, **options
+) -> nn.Module:
     """Build architecture ``name`` with a ``num_classes``-way head.
 
     ``pretrained`` loads torchvision's (or timm's) ImageNet weights; a head of
-    another size is left freshly initialised.
+    another size is left freshly initialised.  ``options`` go to the
+    constructor (see :func:`model_options`).
     """
     if name in _SMALL:
         if pretrained:
@@ -109,11 +112,16 @@ def build_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Mod
         import timm
 
         return timm.create_model(
-            name[len(TIMM_PREFIX) :], pretrained=pretrained, num_classes=num_classes
+            name[len(TIMM_PREFIX) :],
+            pretrained=pretrained,
+            num_classes=num_classes,
+            **options,
         )
     import torchvision
 
-    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    model = torchvision.models.get_model(
+        name, weights=None, num_classes=num_classes, **options
+    )
     if pretrained:
         source = torchvision.models.get_model(name, weights="DEFAULT")
         own = model.state_dict()
@@ -126,6 +134,38 @@ def build_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Mod
             logger.info(
                 "pretrained %s: head left freshly initialised: %s", name, skipped
             )
+    return model
+
+
+# Constructor arguments -> the key that gives them.
+_OPTION_KEYS = {
+    "dropout": "DROPOUT",
+    "drop_rate": "DROPOUT",
+    "stochastic_depth_prob": "DROP_PATH",
+    "drop_path_rate": "DROP_PATH",
+}
+
+
+def model_options(arch: str, model_cfg) -> dict:
+    """The constructor arguments of MODEL.DROPOUT and MODEL.DROP_PATH for
+    ``arch`` (ValueError for a small model, which has no such layers)."""
+    return regularize.constructor_options(arch, model_cfg, arch in _SMALL)
+
+
+def build_configured(model_cfg, num_classes: int | None = None) -> nn.Module:
+    """The model of the MODEL section, with its regularisation keys applied."""
+    arch = model_cfg.ARCH
+    classes = model_cfg.NUM_CLASSES if num_classes is None else num_classes
+    try:
+        model = build_model(arch, classes, model_cfg.PRETRAINED,
+                            **model_options(arch, model_cfg))  # fmt: skip
+    except TypeError as error:  # a constructor without that argument
+        named = [key for arg, key in _OPTION_KEYS.items() if f"'{arg}'" in str(error)]
+        key = named[0] if named else "DROPOUT or MODEL.DROP_PATH"
+        raise ValueError(f"MODEL.{key}: {arch} has no such layers to set") from None
+    done = regularize.regularize(model, arch, model_cfg)
+    if done:
+        logger.info("model: %s", ", ".join(done))
     return model
 
 

@@ -1,0 +1,97 @@
+"""MODEL.DROPOUT, MODEL.DROP_PATH, MODEL.BN_MOMENTUM and MODEL.BN_EPS, applied
+to a model that has the layers they set, and refused (ValueError naming the
+key) for one that has not.
+
+Dropout and stochastic depth go through the model's own constructor argument
+(torchvision's ``dropout`` and ``stochastic_depth_prob``, timm's ``drop_rate``
+and ``drop_path_rate``), so each family keeps its own placement and per-block
+schedule; torchvision's ViT, which has no stochastic depth, gets it on both
+residual branches of every encoder block, its rate rising linearly with depth
+as in DeiT.  A constructor that swallows an unknown argument is caught by
+looking for the layers afterwards.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from yacs.config import CfgNode
+
+TIMM_PREFIX = "timm/"
+
+
+def _is_torchvision_vit(arch: str, model: nn.Module | None = None) -> bool:
+    from torchvision.models import VisionTransformer
+
+    if model is not None:
+        return isinstance(model, VisionTransformer)
+    return arch.startswith("vit_")
+
+
+def constructor_options(arch: str, model_cfg: CfgNode, small: bool) -> dict:
+    """The constructor arguments that MODEL.DROPOUT and MODEL.DROP_PATH give
+    ``arch`` (a negative value keeps the model's own)."""
+    dropout, drop_path = model_cfg.DROPOUT, model_cfg.DROP_PATH
+    for key, value in (("DROPOUT", dropout), ("DROP_PATH", drop_path)):
+        if small and value >= 0:
+            raise ValueError(f"MODEL.{key}: {arch} has no such layers to set")
+    options = {}
+    timm = arch.startswith(TIMM_PREFIX)
+    if dropout >= 0:
+        options["drop_rate" if timm else "dropout"] = dropout
+    if drop_path >= 0 and (timm or not _is_torchvision_vit(arch)):
+        options["drop_path_rate" if timm else "stochastic_depth_prob"] = drop_path
+    return options
+
+
+def _vit_drop_path(model: nn.Module, rate: float) -> None:
+    """Stochastic depth on torchvision's ViT: after the attention's dropout and
+    at the end of the MLP of block i of L, with probability rate * i / (L - 1)."""
+    from torchvision.ops import StochasticDepth
+
+    blocks = list(model.encoder.layers)
+    for index, block in enumerate(blocks):
+        p = rate * index / max(len(blocks) - 1, 1)
+        block.dropout = nn.Sequential(block.dropout, StochasticDepth(p, "row"))
+        block.mlp.append(StochasticDepth(p, "row"))
+
+
+def _has_drop_path(model: nn.Module) -> bool:
+    from torchvision.ops import StochasticDepth
+
+    return any(
+        isinstance(m, StochasticDepth) or type(m).__name__ == "DropPath"
+        for m in model.modules()
+    )
+
+
+def regularize(model: nn.Module, arch: str, model_cfg: CfgNode) -> list[str]:
+    """Set what the constructor could not on the built ``model``, check that
+    every key asked for found its layers; what was set, for the log."""
+    done = []
+    if model_cfg.DROP_PATH >= 0:
+        if _is_torchvision_vit(arch, model):
+            _vit_drop_path(model, model_cfg.DROP_PATH)
+        timm_default = arch.startswith(TIMM_PREFIX) and model_cfg.DROP_PATH == 0
+        if not (_has_drop_path(model) or timm_default):
+            raise ValueError(f"MODEL.DROP_PATH: {arch} has no stochastic depth")
+        done.append(f"drop path {model_cfg.DROP_PATH:g}")
+    if model_cfg.DROPOUT >= 0:
+        p = model_cfg.DROPOUT
+        found = getattr(model, "drop_rate", None) == p or any(
+            isinstance(m, nn.Dropout) and m.p == p for m in model.modules()
+        )
+        if not found:
+            raise ValueError(f"MODEL.DROPOUT: {arch} has no dropout it sets")
+        done.append(f"dropout {p:g}")
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+    for key, attribute in (("BN_MOMENTUM", "momentum"), ("BN_EPS", "eps")):
+        value = model_cfg[key]
+        if value < 0:
+            continue
+        if not norms:
+            raise ValueError(f"MODEL.{key}: {arch} has no BatchNorm layers")
+        for norm in norms:
+            setattr(norm, attribute, value)
+        done.append(f"BatchNorm {attribute} {value:g} ({len(norms)} layers)")
+    return done
