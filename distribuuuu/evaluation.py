@@ -21,7 +21,12 @@ from yacs.config import CfgNode
 from distribuuuu import checkpoint as cp
 from distribuuuu import distributed as du
 from distribuuuu import reports
-from distribuuuu.data import build_dataset, build_normalizer, build_test_loader
+from distribuuuu.data import (
+    build_dataset,
+    build_normalizer,
+    build_test_loader,
+    eval_sizes,
+)
 from distribuuuu.logger import MetricsWriter, end_status, live_console, set_status
 from distribuuuu.meters import (
     ConfusionMatrix,
@@ -43,6 +48,7 @@ from distribuuuu.run_log import log_evaluation
 from distribuuuu.session import run_context
 from distribuuuu.state import TrainState
 from distribuuuu.syncbn import recompute_bn_statistics
+from distribuuuu.tta import tta_logits
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +66,18 @@ class EvalSpec:
     max_iters: int | None = None  # stop early (a check, not an evaluation)
     collective: bool = False  # every forward is a collective (sharded weights)
     counted: bool = True  # this process's forward passes return logits to count
+    tta: str = "none"  # TEST.TTA: the views whose logits are averaged
+    crop: int = 0  # the crop of TEST.TTA five_crop / ten_crop
 
     @classmethod
     def of(cls, cfg: CfgNode, device, normalize, amp_dtype=None, **more) -> EvalSpec:
-        """The spec of ``cfg`` (TRAIN.TOPK, MODEL.NUM_CLASSES, TEST.PRINT_FREQ)."""
+        """The spec of ``cfg`` (TRAIN.TOPK, MODEL.NUM_CLASSES, TEST.PRINT_FREQ,
+        TEST.TTA)."""
         classes = cfg.MODEL.NUM_CLASSES
         topk = min(cfg.TRAIN.TOPK, classes)
+        tta = {"tta": cfg.TEST.TTA, "crop": eval_sizes(cfg)[1]}
         return cls(device, normalize, topk, classes, cfg.TEST.PRINT_FREQ,
-                   amp_dtype, **more)  # fmt: skip
+                   amp_dtype, **tta, **more)  # fmt: skip
 
 
 def strategy_eval(strategy, model: nn.Module) -> dict:
@@ -102,7 +112,7 @@ def evaluate(
         images = normalize(images)
         targets = targets.to(device, non_blocking=True)
         with autocast(device, spec.amp_dtype):
-            logits = model(images)
+            logits = tta_logits(model, images, spec.tta, spec.crop)
             if spec.counted:
                 loss_sum = F.cross_entropy(logits, targets, reduction="sum")
         if spec.counted:

@@ -214,6 +214,11 @@ _C.TEST.CROP_SIZE = 0
 _C.TEST.CROP_PCT = 0.0
 # Resampling of the evaluation resize: bilinear | bicubic
 _C.TEST.INTERPOLATION = "bilinear"
+# Test-time augmentation, logits averaged over views of each image: none | flip
+# (the image and its mirror) | five_crop (4 corners and the centre, each of the
+# evaluation crop, from the square of the evaluation resize) | ten_crop (those
+# and their mirrors)
+_C.TEST.TTA = "none"
 # Log evaluation progress every this many iterations
 _C.TEST.PRINT_FREQ = 10
 

@@ -54,6 +54,7 @@ CHOICES = {
     "OPTIM.LR_STEP": ("iter", "epoch"),
     "TRAIN.INTERPOLATION": ("bilinear", "bicubic"),
     "TEST.INTERPOLATION": ("bilinear", "bicubic"),
+    "TEST.TTA": ("none", "flip", "five_crop", "ten_crop"),
     "DIST.BACKEND": BACKENDS,
     "DIST.MODE": DIST_MODES,
     "DIST.STRATEGY": STRATEGIES,

@@ -282,6 +282,17 @@ def _validate_pipeline(cfg: CfgNode) -> None:
 def _validate_test(cfg: CfgNode) -> None:
     """TEST: the evaluation resize holds the evaluation crop."""
     crop = cfg.TEST.CROP_SIZE or cfg.TRAIN.IM_SIZE
+    if cfg.TEST.TTA in ("five_crop", "ten_crop"):
+        resize = cfg.TEST.IM_SIZE
+        if cfg.TEST.CROP_PCT:
+            resize = int(crop / cfg.TEST.CROP_PCT)
+        _check(
+            resize > crop,
+            "TEST.TTA",
+            cfg.TEST.TTA,
+            f"needs an evaluation resize larger than the crop {crop} to cut its "
+            f"views from (TEST.IM_SIZE or TEST.CROP_PCT gives {resize})",
+        )
     if cfg.TEST.CROP_PCT:
         return
     _check(

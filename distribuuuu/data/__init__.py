@@ -22,6 +22,7 @@ from distribuuuu.data.transforms import (
     imagenet_transforms,
     small_image_transforms,
 )
+from distribuuuu.tta import CROP_MODES
 
 __all__ = [
     "DataError",
@@ -85,15 +86,21 @@ def flip_probability(cfg: CfgNode, name: str) -> float:
     return 0.5 if _SMALL_IMAGES.get(name, (0, None, None, True))[3] else 0.0
 
 
-def _transform(cfg: CfgNode, name: str, train: bool) -> v2.Transform:
+def _transform(
+    cfg: CfgNode, name: str, train: bool, views: bool = False
+) -> v2.Transform:
     """The train or eval transform of data set ``name`` (images as it serves
-    them, to uint8 tensors)."""
+    them, to uint8 tensors); with ``views``, the evaluation images that
+    TEST.TTA five_crop / ten_crop crop on the device (the square of the
+    resize) where it is set."""
     size = cfg.TRAIN.IM_SIZE
     augment, erasing = _train_augment(cfg, name) if train else (None, 0.0)
     mean, _ = _statistics(name)
     flip = flip_probability(cfg, name)
     interpolation = (cfg.TRAIN if train else cfg.TEST).INTERPOLATION
     resize, crop = eval_sizes(cfg)
+    if views and cfg.TEST.TTA in CROP_MODES:
+        crop = resize
     if name == "imagefolder":
         return imagenet_transforms(train, size, resize, mean, augment, erasing,
                                    crop, flip, interpolation)  # fmt: skip
@@ -141,7 +148,7 @@ def build_test_transform(cfg: CfgNode) -> v2.Compose:
 def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
     """The train or validation data set named by ``cfg.DATA.NAME`` (resolved)."""
     name = cfg.DATA.NAME
-    transform = _transform(cfg, name, train)
+    transform = _transform(cfg, name, train, views=True)
     if name == "mnist5k":
         images, labels = ds.load_mnist5k(train)
         classes = [str(digit) for digit in range(10)]
