@@ -179,6 +179,17 @@ def call_main(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+def refused(out_dir: str, *args: str) -> str:
+    """The one ``error:`` line of ``main(ARGS OUT_DIR out_dir)``, which must
+    exit 2 before creating ``out_dir``."""
+    result = call_main(*args, "OUT_DIR", out_dir)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    assert not os.path.exists(out_dir)
+    return errors[0]
+
+
 def read_text(*parts: str) -> str:
     """The text of the file at ``os.path.join(*parts)``."""
     with open(os.path.join(*parts), encoding="utf-8") as f:

@@ -14,9 +14,9 @@ import torch
 from helpers import (
     TRAIN_NET,
     assert_ok,
-    call_main,
     free_port,
     read_metrics,
+    refused,
     run_command,
     torchrun,
     train_net,
@@ -230,13 +230,7 @@ def test_a_crafted_deepspeed_file_is_refused_before_anything_runs(tmp_path):
 
 # --- refused before anything is written (exit 2, one error line) ----------- #
 def _refused(tmp_path, capsys, *keys: str) -> str:
-    out = str(tmp_path / "out")
-    result = call_main(*LENET, *DEEPSPEED, *keys, "OUT_DIR", out)
-    assert result.returncode == 2, result.stdout + result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.stderr
-    assert not os.path.exists(out)
-    return errors[0]
+    return refused(str(tmp_path / "out"), *LENET, *DEEPSPEED, *keys)
 
 
 def _json(tmp_path, text: str) -> str:
