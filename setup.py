@@ -39,6 +39,7 @@ setup(
             "distribuuuu-inspect=distribuuuu.tools.inspect_ckpt:main",
             "distribuuuu-export=distribuuuu.tools.export:main",
             "distribuuuu-predict=distribuuuu.tools.predict:main",
+            "distribuuuu-average=distribuuuu.tools.average_checkpoints:main",
         ],
     },
 )

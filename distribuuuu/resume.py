@@ -31,8 +31,11 @@ from distribuuuu.strategies import Strategy
 logger = logging.getLogger(__name__)
 
 
-def save_training_checkpoint(cfg: CfgNode, state: TrainState) -> None:
-    """Gather every rank's RNG state; rank 0 writes the checkpoint of the run.
+def save_training_checkpoint(
+    cfg: CfgNode, state: TrainState, score: float | None = None
+) -> None:
+    """Gather every rank's RNG state; rank 0 writes the checkpoint of the run
+    (``score``: CHECKPOINT.BEST_METRIC of the evaluation just before it).
 
     Every rank returns only once the checkpoint is complete (file renamed into
     place, ``last`` moved): a rank that then exits, stopped by a signal, must
@@ -55,8 +58,12 @@ def save_training_checkpoint(cfg: CfgNode, state: TrainState) -> None:
     error = None
     if du.is_main_process():
         try:
+            keys = cfg.CHECKPOINT
+            retention = cp.Retention(
+                keys.KEEP, keys.KEEP_BEST, keys.BEST_METRIC == "loss"
+            )
             path = cp.save_checkpoint(
-                cfg.OUT_DIR, progress.epoch, saved, cfg.CHECKPOINT.KEEP, step
+                cfg.OUT_DIR, progress.epoch, saved, retention, step, score
             )
             logger.info("saved %s", path)
         except Exception as caught:  # tell the others before raising it

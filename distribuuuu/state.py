@@ -364,6 +364,16 @@ def best_weights(model: dict, epoch: int, top1: float, classes, cfg) -> dict:
     }
 
 
+def averaged_weights(model: dict, newest: dict, sources: list[str]) -> dict:
+    """The contents of an averaged-weights file: ``model`` with the newest
+    source checkpoint's architecture, classes, config and epoch, and the
+    names of the ``sources`` averaged (no top-1: nothing evaluated it)."""
+    kept = {
+        key: newest[key] for key in ("epoch", "arch", "classes", "cfg") if key in newest
+    }
+    return {MODEL: model, **kept, "averaged_from": sources}
+
+
 def capture_rng_state(devices: Sequence[torch.device] = ()) -> dict:
     """The RNG states of Python, NumPy and torch of this process: the CPU's and
     those of its CUDA ``devices``, in their order (``"cuda_devices"``).

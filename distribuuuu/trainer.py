@@ -278,7 +278,7 @@ def train_epochs(
         last = progress.epoch == cfg.OPTIM.MAX_EPOCH
         stopped_by = stop.agreed()
         if stopped_by or last or progress.epoch % cfg.CHECKPOINT.PERIOD == 0:
-            save_training_checkpoint(cfg, state)
+            save_training_checkpoint(cfg, state, stats[cfg.CHECKPOINT.BEST_METRIC])
         if stopped_by:
             return stopped(cfg, stopped_by)
     if not stats:

@@ -19,12 +19,46 @@ def _state(epoch: int) -> dict:
 
 def test_save_moves_last_and_keeps_newest(tmp_path):
     for epoch in range(1, 12):
-        cp.save_checkpoint(str(tmp_path), epoch, _state(epoch), keep=3)
+        cp.save_checkpoint(str(tmp_path), epoch, _state(epoch), cp.Retention(keep=3))
     names = sorted(os.listdir(tmp_path / "checkpoints"))
     assert names == ["ckpt_ep_0009.pth", "ckpt_ep_0010.pth", "ckpt_ep_0011.pth", "last"]
     assert (tmp_path / "checkpoints" / "last").read_text().strip() == "ckpt_ep_0011.pth"
     path, state = cp.find_resume_checkpoint(str(tmp_path))
     assert path.endswith("ckpt_ep_0011.pth") and state["epoch"] == 11
+
+
+@pytest.mark.parametrize(
+    "lower, kept",
+    [(False, [2, 4, 6]), (True, [1, 3, 6])],
+    ids=["top1", "loss"],
+)
+def test_keep_best_keeps_the_best_scores_besides_the_newest(tmp_path, lower, kept):
+    scores = [50.0, 90.0, 60.0, 95.0, 70.0, 65.0]  # epochs 1-6
+    retention = cp.Retention(keep=2, best=2, lower_is_better=lower)
+    for epoch, score in enumerate(scores, 1):
+        cp.save_checkpoint(str(tmp_path), epoch, _state(epoch), retention, 0, score)
+        # an iteration checkpoint between (no evaluation, no score)
+        cp.save_checkpoint(str(tmp_path), epoch, _state(epoch), retention, 3)
+    names = sorted(os.listdir(tmp_path / "checkpoints"))
+    expected = [f"ckpt_ep_{e:04d}.pth" for e in kept]
+    # the newest two (epoch 6 and 3 steps after it) and the best two
+    assert names == sorted(
+        [*expected, "ckpt_ep_0006_it_0003.pth", "last", "scores.json"]
+    )
+    assert (tmp_path / "checkpoints" / "last").read_text().strip() == (
+        "ckpt_ep_0006_it_0003.pth"
+    )
+    left = cp.files.read_scores(str(tmp_path / "checkpoints"))
+    assert sorted(left) == expected  # the pruned ones' scores are gone
+
+
+def test_a_damaged_scores_file_keeps_only_the_newest(tmp_path):
+    retention = cp.Retention(keep=1, best=3)
+    cp.save_checkpoint(str(tmp_path), 1, _state(1), retention, 0, 90.0)
+    (tmp_path / "checkpoints" / "scores.json").write_text('{"ckpt_ep_0001.pth": "x"')
+    cp.save_checkpoint(str(tmp_path), 2, _state(2), retention, 0, 10.0)
+    names = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert names == ["ckpt_ep_0002.pth", "last", "scores.json"]
 
 
 def test_numbers_sort_as_numbers_not_text(tmp_path):

@@ -4,10 +4,13 @@ and weights-only loading."""
 from __future__ import annotations
 
 import errno
+import json
+import math
 import os
 import pickle
 import re
 import shutil
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +22,8 @@ BEST_EMA_WEIGHTS = "best_ema.pth"  # same layout, of the weights' moving average
 SHARDED_SUFFIX = ".dcp"
 DEEPSPEED_SUFFIX = ".ds"  # DeepSpeed's own checkpoint folder (DIST.STRATEGY deepspeed)
 DEEPSPEED_TAG = "zero"  # its sub-folder (DeepSpeed's tag) holding DeepSpeed's files
+SCORES = "scores.json"  # the score of each checkpoint saved after an evaluation
+MAX_SCORES_BYTES = 1 << 20
 CHECKPOINT_FILE = re.compile(r"^ckpt_ep_(\d+)(?:_it_(\d+))?\.pth$")
 
 
@@ -85,7 +90,7 @@ def atomic_write(path: str, write) -> None:
 # Temporary names of atomic_write and save_sharded that a killed process
 # leaves behind.
 _STALE = re.compile(
-    r"^\.(ckpt_ep_\w+\.pth|last|best(_ema)?\.pth|.+\.ya?ml)\.tmp\d+$"
+    r"^\.(ckpt_ep_\w+\.pth|last|scores\.json|best(_ema)?\.pth|.+\.ya?ml)\.tmp\d+$"
     r"|^ckpt_ep_\w+\.(dcp|ds)\.tmp$"
 )
 
@@ -109,8 +114,24 @@ def remove_stale_files(out_dir: str) -> list[str]:
     return removed
 
 
+@dataclass(frozen=True)
+class Retention:
+    """Which checkpoints a run keeps: the newest ``keep`` (0 keeps all) and,
+    besides them, the ``best`` with the best scores (lowest where
+    ``lower_is_better``), among the checkpoints saved with a score."""
+
+    keep: int = 0
+    best: int = 0
+    lower_is_better: bool = False
+
+
 def save_checkpoint(
-    out_dir: str, epoch: int, state: dict, keep: int = 0, step: int = 0
+    out_dir: str,
+    epoch: int,
+    state: dict,
+    retention: Retention = Retention(),
+    step: int = 0,
+    score: float | None = None,
 ) -> str:
     """Write ``state`` as a checkpoint, move the ``last`` pointer, prune old ones.
 
@@ -118,21 +139,72 @@ def save_checkpoint(
         out_dir: the run's OUT_DIR.
         epoch: whole epochs completed (names the file).
         state: anything ``torch.save`` can store with ``weights_only`` loading.
-        keep: keep the newest ``keep`` checkpoints (0 keeps all).
+        retention: the checkpoints to keep.
         step: optimizer steps done in the epoch after those (0 at an epoch end).
+        score: the metric of this checkpoint's evaluation, recorded in
+            ``checkpoints/scores.json`` for the best ones to be kept.
     """
     directory = os.path.join(out_dir, CHECKPOINT_DIR)
     name = checkpoint_name(epoch, step)
     atomic_write(os.path.join(directory, name), lambda f: torch.save(state, f))
+    if score is not None:
+        _write_scores(directory, {**read_scores(directory), name: float(score)})
     atomic_write(
         os.path.join(directory, LAST_POINTER), lambda f: f.write(name.encode() + b"\n")
     )
-    if keep > 0:
-        for _, old in list_checkpoints(out_dir)[keep:]:
+    if retention.keep > 0:
+        _prune(out_dir, retention)
+    return os.path.join(directory, name)
+
+
+def read_scores(directory: str) -> dict[str, float]:
+    """The scores of the checkpoints in ``directory`` (``scores.json``); a
+    missing, oversized or malformed file counts as none."""
+    path = os.path.join(directory, SCORES)
+    try:
+        if os.path.getsize(path) > MAX_SCORES_BYTES:
+            return {}
+        with open(path, encoding="utf-8") as f:
+            loaded = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(loaded, dict):
+        return {}
+    return {
+        name: float(value)
+        for name, value in loaded.items()
+        if CHECKPOINT_FILE.match(str(name))
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    }
+
+
+def _write_scores(directory: str, scores: dict[str, float]) -> None:
+    text = json.dumps(scores, indent=1, sort_keys=True).encode()
+    atomic_write(os.path.join(directory, SCORES), lambda f: f.write(text))
+
+
+def _prune(out_dir: str, retention: Retention) -> None:
+    """Remove the checkpoints (and their folders) that ``retention`` does not keep."""
+    found = [path for _, path in list_checkpoints(out_dir)]  # newest first
+    kept = set(found[: retention.keep])
+    directory = os.path.join(out_dir, CHECKPOINT_DIR)
+    scores = read_scores(directory)
+    scored = [path for path in found if os.path.basename(path) in scores]
+    scored.sort(  # stable: of equal scores the newer wins
+        key=lambda path: scores[os.path.basename(path)],
+        reverse=not retention.lower_is_better,
+    )
+    kept.update(scored[: retention.best])
+    for old in found:
+        if old not in kept:
             os.remove(old)
             for suffix in (SHARDED_SUFFIX, DEEPSPEED_SUFFIX):
                 shutil.rmtree(sharded_dir(old, suffix), ignore_errors=True)
-    return os.path.join(directory, name)
+    names = {os.path.basename(path) for path in kept}
+    if set(scores) - names:
+        _write_scores(directory, {n: v for n, v in scores.items() if n in names})
 
 
 class RefusedCheckpointError(ValueError):

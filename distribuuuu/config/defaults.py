@@ -392,6 +392,12 @@ _C.CHECKPOINT.PERIOD = 1
 _C.CHECKPOINT.PERIOD_ITERS = 0
 # Keep the newest this many checkpoints (0 = keep all)
 _C.CHECKPOINT.KEEP = 3
+# Besides those, keep the this many best of the checkpoints saved after an
+# evaluation, by BEST_METRIC (their scores are in checkpoints/scores.json; with
+# KEEP 0 every checkpoint is kept anyway)
+_C.CHECKPOINT.KEEP_BEST = 0
+# What "best" means for KEEP_BEST: top1 (highest) | loss (lowest validation loss)
+_C.CHECKPOINT.BEST_METRIC = "top1"
 
 # ---------------------------------------------------------------------------- #
 # Misc

@@ -55,6 +55,7 @@ CHOICES = {
     "TRAIN.INTERPOLATION": ("bilinear", "bicubic"),
     "TEST.INTERPOLATION": ("bilinear", "bicubic"),
     "TEST.TTA": ("none", "flip", "five_crop", "ten_crop"),
+    "CHECKPOINT.BEST_METRIC": ("top1", "loss"),
     "DIST.BACKEND": BACKENDS,
     "DIST.MODE": DIST_MODES,
     "DIST.STRATEGY": STRATEGIES,

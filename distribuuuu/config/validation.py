@@ -93,6 +93,7 @@ _RANGES = {
     "DIST.PIPELINE.VIRTUAL_STAGES": (lambda v: v >= 1, "must be >= 1"),
     "CHECKPOINT.PERIOD": (lambda v: v >= 1, "must be >= 1"),
     "CHECKPOINT.KEEP": (lambda v: v >= 0, "must be >= 0 (0 keeps all)"),
+    "CHECKPOINT.KEEP_BEST": (lambda v: v >= 0, "must be >= 0"),
     "CHECKPOINT.PERIOD_ITERS": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "OUT_DIR": (bool, "must name a directory"),
     "CFG_DEST": (
