@@ -12,14 +12,16 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 
+import torch
 from torch.utils.data import DataLoader
 from yacs.config import CfgNode
 
 from distribuuuu import distributed as du
 from distribuuuu import optim
 from distribuuuu.logger import end_status, live_console
-from distribuuuu.losses import TrainLoss, build_train_loss, mix_seed
+from distribuuuu.losses import Distilled, TrainLoss, build_train_loss, mix_seed
 from distribuuuu.meters import MetricSums
+from distribuuuu.precision import autocast
 from distribuuuu.run_log import TrainStatus, log_train_window
 from distribuuuu.state import TrainState
 from distribuuuu.strategies.base import MicroBatch
@@ -104,7 +106,12 @@ def micro_batches(
         images = state.normalize(images)
         targets = targets.to(device, non_blocking=True)
         seed = mix_seed(progress.seed, progress.epoch, first + micro * stride)
-        yield loss_fn.mix(images, targets, seed)
+        images, targets, loss_targets = loss_fn.mix(images, targets, seed)
+        if state.teacher is not None:  # it sees the very images the student does
+            with torch.no_grad(), autocast(device, state.amp_dtype):
+                taught = state.teacher(images)
+            loss_targets = Distilled(loss_targets, taught)
+        yield images, targets, loss_targets
 
 
 # Host synchronizations of a CUDA training step (each stalls the GPU queue);

@@ -13,6 +13,9 @@ workers, and switching mixing on leaves the rest of the run's random stream
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
@@ -72,6 +75,36 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+class Distilled(NamedTuple):
+    """The loss targets of a distilled micro-batch: the labels (or soft mixed
+    ones) and the teacher's logits of the same images."""
+
+    targets: torch.Tensor
+    teacher_logits: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """TRAIN.DISTILL: how the teacher's logits enter the loss."""
+
+    kind: str = "soft"  # soft (KL at temperature tau) | hard (its argmax)
+    tau: float = 1.0
+    alpha: float = 0.5  # the weight of the teacher's term
+
+    def loss(self, logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        """The teacher's term: KL(teacher || student) of the softened
+        distributions times tau**2 (Hinton et al. 2015, averaged over the
+        batch), or the cross-entropy against the teacher's argmax (DeiT's
+        hard distillation, Touvron et al. 2021)."""
+        if self.kind == "hard":
+            return F.cross_entropy(logits, teacher.argmax(dim=1))
+        tau = self.tau
+        student = F.log_softmax(logits.float() / tau, dim=1)
+        target = F.log_softmax(teacher.float() / tau, dim=1)
+        divergence = F.kl_div(student, target, reduction="batchmean", log_target=True)
+        return divergence * tau * tau
+
+
 class TrainLoss:
     """Mixes a training micro-batch and computes its loss.
 
@@ -84,10 +117,12 @@ class TrainLoss:
         num_classes: int,
         label_smoothing: float = 0.0,
         mixer: v2.Transform | None = None,
+        distillation: Distillation | None = None,
     ):
         self.num_classes = num_classes
         self.label_smoothing = label_smoothing
         self.mixer = mixer
+        self.distillation = distillation
 
     def mix(
         self, images: torch.Tensor, targets: torch.Tensor, seed: int
@@ -123,7 +158,16 @@ class TrainLoss:
         and cross-entropy are linear in the target, the loss of a mixed batch
         is the mixture of the smoothed losses of its two labels.
         """
-        return F.cross_entropy(logits, targets, label_smoothing=self.label_smoothing)
+        if not isinstance(targets, Distilled):
+            return F.cross_entropy(
+                logits, targets, label_smoothing=self.label_smoothing
+            )
+        own = F.cross_entropy(
+            logits, targets.targets, label_smoothing=self.label_smoothing
+        )
+        alpha = self.distillation.alpha
+        taught = self.distillation.loss(logits, targets.teacher_logits)
+        return (1 - alpha) * own + alpha * taught
 
 
 def build_train_loss(train: CfgNode, num_classes: int) -> TrainLoss:
@@ -135,4 +179,8 @@ def build_train_loss(train: CfgNode, num_classes: int) -> TrainLoss:
         train.MIX_PROB,
         train.MIX_SWITCH_PROB,
     )
-    return TrainLoss(num_classes, train.LABEL_SMOOTHING, mixer)
+    distill = train.DISTILL
+    distillation = None
+    if distill.ARCH:
+        distillation = Distillation(distill.TYPE, distill.TAU, distill.ALPHA)
+    return TrainLoss(num_classes, train.LABEL_SMOOTHING, mixer, distillation)

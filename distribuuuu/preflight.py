@@ -41,9 +41,14 @@ def _model_skeleton(arch: str, num_classes: int) -> nn.Module:
 
 
 def check_weights(
-    path: str, arch: str, num_classes: int, finetune: bool = False
+    path: str,
+    arch: str,
+    num_classes: int,
+    finetune: bool = False,
+    key: str = "MODEL.WEIGHTS",
 ) -> None:
-    """Load MODEL.WEIGHTS safely and match it to the model; raise ConfigError.
+    """Load the weights of ``key`` safely and match them to the model; raise
+    ConfigError.
 
     With ``finetune`` a classifier head of another size matches (it is
     re-initialised).
@@ -54,7 +59,7 @@ def check_weights(
     try:
         weights = read_checkpoint(path).weights
     except CheckpointError as error:
-        raise ConfigError(f"MODEL.WEIGHTS {error}") from error
+        raise ConfigError(f"{key} {error}") from error
     model = _model_skeleton(arch, num_classes)
     try:
         with warnings.catch_warnings():
@@ -62,7 +67,7 @@ def check_weights(
             classes = num_classes if finetune else None
             cp.load_model_weights(model, weights, path, finetune_classes=classes)
     except ValueError as error:
-        raise ConfigError(f"MODEL.WEIGHTS {error}") from error
+        raise ConfigError(f"{key} {error}") from error
 
 
 def check_launch(cfg: CfgNode, num_procs: int = 1) -> None:
@@ -203,6 +208,10 @@ def check_inputs(
         check_weights(
             cfg.MODEL.WEIGHTS, cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, finetune
         )
+    distill = cfg.TRAIN.DISTILL
+    if distill.ARCH and not eval_only:
+        check_weights(distill.WEIGHTS, distill.ARCH, cfg.MODEL.NUM_CLASSES,
+                      key="TRAIN.DISTILL.WEIGHTS")  # fmt: skip
     if not eval_only:
         checkpoints, best = _checkpoints_in(cfg.OUT_DIR)
         found = checkpoints + best

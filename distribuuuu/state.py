@@ -185,6 +185,7 @@ class TrainState:
     writer: MetricsWriter
     classes: list[str]  # class names in label order, saved with the weights
     ema: ModelEma | None = None  # moving average of the weights (MODEL.EMA)
+    teacher: nn.Module | None = None  # TRAIN.DISTILL's, in eval mode; never saved
     data_watch: DataBoundWatch = field(default_factory=DataBoundWatch)
 
     def state_dict(self, weights: dict, rng: list, cfg: CfgNode) -> dict:

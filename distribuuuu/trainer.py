@@ -33,7 +33,7 @@ from distribuuuu.evaluation import EvalSpec, evaluate, evaluate_epoch, strategy_
 from distribuuuu.logger import MetricsWriter
 from distribuuuu.loop import StopRequest, train_epoch
 from distribuuuu.meters import PeakMemory
-from distribuuuu.models import build_configured, zero_init_residual
+from distribuuuu.models import build_configured, build_model, zero_init_residual
 from distribuuuu.precision import resolve_precision
 from distribuuuu.recompute import enable_activation_checkpointing
 from distribuuuu.resume import resume_or_load, save_training_checkpoint
@@ -186,14 +186,31 @@ def build_train_state(
         progress.epoch * steps_per_epoch + progress.consumed // plan.global_batch,
     )
     normalize = build_normalizer(cfg, device, channels_last)
+    teacher = build_teacher(cfg, device)
     state = TrainState(strategy, model, optimizer, scaler, amp_dtype, device,
                        normalize, plan, progress, clock, writer,
-                       list(train_set.classes), ema)  # fmt: skip
+                       list(train_set.classes), ema, teacher)  # fmt: skip
     sizes = {"train_images": len(train_set), "val_images": len(val_set)}
     report_start(cfg, info, state, size, sizes, start)
     if saved is None and writer.enabled:
         log_training_images(writer, train_set, progress.seed)
     return state, train_loader, val_loader
+
+
+def build_teacher(cfg: CfgNode, device: torch.device) -> nn.Module | None:
+    """TRAIN.DISTILL's teacher on ``device``, in eval mode and frozen (each
+    process holds a whole copy; it is never wrapped, sharded or saved)."""
+    distill = cfg.TRAIN.DISTILL
+    if not distill.ARCH:
+        return None
+    teacher = build_model(distill.ARCH, cfg.MODEL.NUM_CLASSES)
+    cp.load_model_weights(teacher, cp.load_full(distill.WEIGHTS), distill.WEIGHTS)
+    teacher.requires_grad_(False)
+    logger.info(
+        "distillation: teacher %s from %s, %s, alpha %g, tau %g",
+        distill.ARCH, distill.WEIGHTS, distill.TYPE, distill.ALPHA, distill.TAU,
+    )  # fmt: skip
+    return teacher.to(device).eval()
 
 
 def report_start(cfg, info, state: TrainState, size, sizes, start: str) -> None:

@@ -192,6 +192,23 @@ _C.TRAIN.MIX_SWITCH_PROB = 0.5
 # (un-mixed, the first of the epoch's order), the same on every process; for the
 # EMA weights as well, with MODEL.EMA (0 = off; pycls uses 8,192 images in all)
 _C.TRAIN.PRECISE_BN = 0
+# Knowledge distillation from a trained teacher (off while ARCH is empty): the
+# loss is (1 - ALPHA) x the usual one + ALPHA x the teacher's term. The teacher
+# runs in eval mode, under the same precision, on the images the student sees
+# (mixed ones included), and is never saved in the checkpoints
+_C.TRAIN.DISTILL = CfgNode()
+# The teacher's architecture (any MODEL.ARCH), e.g. resnet20
+_C.TRAIN.DISTILL.ARCH = ""
+# Its weights (a checkpoint or state_dict of NUM_CLASSES classes)
+_C.TRAIN.DISTILL.WEIGHTS = ""
+# soft (KL divergence of the distributions softened by TAU, times TAU**2;
+# Hinton et al. 2015) | hard (cross-entropy against the teacher's top class, as
+# DeiT's hard distillation)
+_C.TRAIN.DISTILL.TYPE = "soft"
+# Temperature of soft distillation
+_C.TRAIN.DISTILL.TAU = 1.0
+# Weight of the teacher's term
+_C.TRAIN.DISTILL.ALPHA = 0.5
 
 # ---------------------------------------------------------------------------- #
 # Evaluation

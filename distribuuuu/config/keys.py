@@ -56,6 +56,7 @@ CHOICES = {
     "TEST.INTERPOLATION": ("bilinear", "bicubic"),
     "TEST.TTA": ("none", "flip", "five_crop", "ten_crop"),
     "CHECKPOINT.BEST_METRIC": ("top1", "loss"),
+    "TRAIN.DISTILL.TYPE": ("soft", "hard"),
     "DIST.BACKEND": BACKENDS,
     "DIST.MODE": DIST_MODES,
     "DIST.STRATEGY": STRATEGIES,

@@ -94,6 +94,8 @@ _RANGES = {
     "CHECKPOINT.PERIOD": (lambda v: v >= 1, "must be >= 1"),
     "CHECKPOINT.KEEP": (lambda v: v >= 0, "must be >= 0 (0 keeps all)"),
     "CHECKPOINT.KEEP_BEST": (lambda v: v >= 0, "must be >= 0"),
+    "TRAIN.DISTILL.TAU": (lambda v: v > 0, "must be > 0"),
+    "TRAIN.DISTILL.ALPHA": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "CHECKPOINT.PERIOD_ITERS": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "OUT_DIR": (bool, "must name a directory"),
     "CFG_DEST": (
@@ -305,6 +307,31 @@ def _validate_test(cfg: CfgNode) -> None:
     )
 
 
+def _validate_distill(cfg: CfgNode) -> None:
+    """TRAIN.DISTILL: a teacher's architecture with its weights; a strategy
+    whose step sees the images."""
+    distill = cfg.TRAIN.DISTILL
+    if not (distill.ARCH or distill.WEIGHTS):
+        return
+    from distribuuuu.models import is_model  # imported lazily
+
+    _check(bool(distill.ARCH), "TRAIN.DISTILL.ARCH", "", "must name the teacher")
+    if not is_model(distill.ARCH):
+        raise ConfigError(f"TRAIN.DISTILL.ARCH {distill.ARCH!r} is not a model")
+    if not os.path.isfile(distill.WEIGHTS):
+        raise ConfigError(
+            f"TRAIN.DISTILL.WEIGHTS: no such file {distill.WEIGHTS!r} (the "
+            "teacher's trained weights)"
+        )
+    _check(
+        cfg.DIST.STRATEGY != "pipeline",
+        "TRAIN.DISTILL.ARCH",
+        distill.ARCH,
+        "is not supported with DIST.STRATEGY pipeline (its last stage, which "
+        "computes the loss, never sees the images)",
+    )
+
+
 def _validate_model(cfg: CfgNode) -> None:
     """MODEL: FINETUNE has WEIGHTS to start from, MODEL.WEIGHTS is a file,
     ZERO_INIT_RESIDUAL is not asked of pretrained weights."""
@@ -391,4 +418,5 @@ def validate_cfg(cfg: CfgNode) -> None:
     _validate_dist(cfg)
     _validate_test(cfg)
     _validate_model(cfg)
+    _validate_distill(cfg)
     _validate_data(cfg)
