@@ -69,26 +69,60 @@ def split_weight_decay(
 TRUST_RATIO = ("lamb", "lars")
 
 
-def build_param_groups(model: nn.Module, optim_cfg: CfgNode) -> list:
-    """The optimizer's parameters: one list, or groups of norm layers and biases.
+def layer_scales(model: nn.Module, decay: float) -> dict[int, float]:
+    """OPTIM.LAYER_DECAY: each parameter's (by id) learning-rate factor
+    ``decay ** (L + 1 - layer id)``; ValueError for a model without layer ids."""
+    from distribuuuu.models.layers import layer_ids
 
-    With ``OPTIM.NO_DECAY_NORM_BIAS`` two groups (empty ones left out): the
-    decayed parameters, then those with ``weight_decay`` 0.  lamb and lars
-    always get the two groups, the second without trust ratio (and without
-    weight decay only with NO_DECAY_NORM_BIAS).  Otherwise the trainable
-    parameters as one list, as before the switch existed.
+    model = getattr(model, "module", model)  # inside a DDP or DataParallel
+    found = layer_ids(model)
+    if found is None:
+        raise ValueError(
+            f"OPTIM.LAYER_DECAY: {type(model).__name__} has no layer ids (ViTs "
+            "and ConvNeXt have); set it to 1 (off)"
+        )
+    ids, blocks = found
+    return {
+        id(param): decay ** (blocks + 1 - ids[name])
+        for name, param in model.named_parameters()
+    }
+
+
+def build_param_groups(model: nn.Module, optim_cfg: CfgNode) -> list:
+    """The optimizer's parameters: one list, or groups.
+
+    With ``OPTIM.NO_DECAY_NORM_BIAS`` the decayed parameters, then those with
+    ``weight_decay`` 0 (norm layers, biases).  lamb and lars always split those
+    off, without trust ratio (and without weight decay only with
+    NO_DECAY_NORM_BIAS).  ``OPTIM.LAYER_DECAY`` < 1 splits each of these by
+    layer, each group with its ``lr_scale``.  Empty groups are left out; with
+    none of the three, the trainable parameters as one list, as before the
+    switches existed.
     """
     trust = optim_cfg.OPTIMIZER in TRUST_RATIO
-    if not (optim_cfg.NO_DECAY_NORM_BIAS or trust):
+    split = optim_cfg.NO_DECAY_NORM_BIAS or trust
+    layered = optim_cfg.LAYER_DECAY < 1
+    if not (split or layered):
         return [p for p in model.parameters() if p.requires_grad]
     decay, no_decay = split_weight_decay(model)
-    plain: dict = {"params": no_decay}
+    plain: dict = {}
     if optim_cfg.NO_DECAY_NORM_BIAS:
         plain["weight_decay"] = 0.0
     if trust:
         plain["trust_ratio"] = False
-    groups = [{"params": decay}, plain]
-    return [group for group in groups if group["params"]]
+    kinds = [(decay, {}), (no_decay, plain)] if split else [(decay + no_decay, {})]
+    scales = layer_scales(model, optim_cfg.LAYER_DECAY) if layered else {}
+    groups: list[dict] = []
+    for params, options in kinds:
+        by_scale: dict[float, dict] = {}
+        for param in params:
+            scale = scales.get(id(param), 1.0)
+            if scale not in by_scale:
+                extra = {"lr_scale": scale} if layered else {}
+                by_scale[scale] = {"params": [], **options, **extra}
+                groups.append(by_scale[scale])
+            by_scale[scale]["params"].append(param)
+    return groups
 
 
 def _sgd(params: list, optim_cfg: CfgNode) -> torch.optim.Optimizer:
@@ -173,6 +207,7 @@ def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:
     parts = [
         f"weight decay {group['weight_decay']:g}"
         + " without trust ratio" * (group.get("trust_ratio") is False)
+        + (f", lr x {group['lr_scale']:.4g}" if "lr_scale" in group else "")
         + f" on {len(group['params'])} tensors "
         f"({sum(p.numel() for p in group['params']):,} parameters)"
         for group in optimizer.param_groups
@@ -280,6 +315,7 @@ def lr_epoch(optim_cfg: CfgNode, epoch: int, fraction: float) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set the learning rate of every parameter group."""
+    """Set the learning rate of every parameter group (times its
+    ``lr_scale`` under OPTIM.LAYER_DECAY)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)

@@ -116,10 +116,12 @@ def check_model(cfg: CfgNode) -> None:
     import torch
 
     from distribuuuu.models import build_configured, zero_init_residual
+    from distribuuuu.models.layers import layer_ids
 
     keys = cfg.MODEL
     values = (keys.DROPOUT, keys.DROP_PATH, keys.BN_MOMENTUM, keys.BN_EPS)
-    if not (keys.ZERO_INIT_RESIDUAL or max(values) >= 0):
+    layered = cfg.OPTIM.LAYER_DECAY < 1
+    if not (keys.ZERO_INIT_RESIDUAL or layered or max(values) >= 0):
         return
     model_cfg = cfg.clone()
     model_cfg.defrost()
@@ -129,6 +131,11 @@ def check_model(cfg: CfgNode) -> None:
             model = build_configured(model_cfg.MODEL)
     except ValueError as error:
         raise ConfigError(str(error)) from error
+    if layered and layer_ids(model) is None:
+        raise ConfigError(
+            f"OPTIM.LAYER_DECAY: {cfg.MODEL.ARCH} has no layer ids (ViTs and "
+            "ConvNeXt have); set it to 1 (off)"
+        )
     if cfg.MODEL.ZERO_INIT_RESIDUAL and not zero_init_residual(model):
         raise ConfigError(
             f"MODEL.ZERO_INIT_RESIDUAL: {cfg.MODEL.ARCH} has no residual block "

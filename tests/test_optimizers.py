@@ -132,3 +132,35 @@ def test_each_optimizer_lowers_the_loss_of_a_small_net(name, cls):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_layer_decay_scales_each_layers_learning_rate():
+    from distribuuuu.models import build_model
+    from distribuuuu.optim import describe_param_groups, set_lr
+
+    model = build_model("vit_tiny_patch4", 10)  # 6 blocks: layers 0 to 7
+    cfg = load_cfg(
+        None, ["OPTIM.LAYER_DECAY", "0.5", "OPTIM.NO_DECAY_NORM_BIAS", "True"]
+    )
+    optimizer = build_optimizer(model, cfg.OPTIM)
+    set_lr(optimizer, 0.1)
+    groups = optimizer.param_groups
+    rate = {id(p): g["lr"] for g in groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert len(rate) == len(named)  # every parameter once
+    assert rate[id(named["head.weight"])] == pytest.approx(0.1)
+    assert rate[id(named["blocks.5.fc1.weight"])] == pytest.approx(0.1 * 0.5)
+    assert rate[id(named["blocks.0.attn.q.weight"])] == pytest.approx(0.1 * 0.5**6)
+    assert rate[id(named["patch_embed.weight"])] == pytest.approx(0.1 * 0.5**7)
+    decays = {
+        id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]
+    }
+    assert decays[id(named["blocks.0.norm1.weight"])] == 0.0  # still no decay
+    assert "lr x 0.0078" in describe_param_groups(optimizer)
+
+
+def test_layer_decay_is_refused_for_a_model_without_layer_ids(tmp_path):
+    from helpers import refused
+
+    line = refused(str(tmp_path / "out"), "OPTIM.LAYER_DECAY", "0.7")
+    assert "OPTIM.LAYER_DECAY: resnet20 has no layer ids" in line

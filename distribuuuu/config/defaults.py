@@ -316,6 +316,11 @@ _C.OPTIM.BETAS = [0.9, 0.999]
 # AdamW and lamb: term added to the denominator for numerical stability;
 # rmsprop: term added to the mean square inside the square root
 _C.OPTIM.EPS = 1e-8
+# Layer-wise learning-rate decay (BEiT, Bao et al. 2021; ConvNeXt fine-tuning):
+# the learning rate of layer i of L blocks is multiplied by
+# LAYER_DECAY ** (L + 1 - i), the embedding being layer 0 and the head L + 1;
+# ViTs and ConvNeXt only; 1 = off. The log gives each group's factor
+_C.OPTIM.LAYER_DECAY = 1.0
 # rmsprop: decay of the running mean of the squared gradient (TensorFlow's rho)
 _C.OPTIM.RMSPROP_ALPHA = 0.9
 # lars: trust coefficient of the local learning rate

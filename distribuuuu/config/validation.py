@@ -75,6 +75,7 @@ _RANGES = {
     "TEST.CROP_SIZE": (lambda v: v >= 0, "must be >= 0 (0 = TRAIN.IM_SIZE)"),
     "TEST.CROP_PCT": (lambda v: 0 <= v <= 1, "must be in (0, 1], or 0 (off)"),
     "OPTIM.RMSPROP_ALPHA": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "OPTIM.LAYER_DECAY": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)"),
     "OPTIM.LARS_ETA": (lambda v: v > 0, "must be > 0"),
     "OPTIM.REFERENCE_BATCH": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "OPTIM.MOMENTUM": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
@@ -272,7 +273,14 @@ def _validate_pipeline(cfg: CfgNode) -> None:
         f"must be a multiple of the {micro} pipeline micro-batches "
         "(DIST.PIPELINE.MICROBATCHES)",
     )
-    _unsupported(cfg, ("MODEL.SYNCBN", "TRAIN.PRECISE_BN"), "DIST.STRATEGY pipeline")
+    keys = ("MODEL.SYNCBN", "TRAIN.PRECISE_BN")
+    _unsupported(cfg, keys, "DIST.STRATEGY pipeline")
+    _check(
+        cfg.OPTIM.LAYER_DECAY == 1,
+        "OPTIM.LAYER_DECAY",
+        cfg.OPTIM.LAYER_DECAY,
+        "is not supported with DIST.STRATEGY pipeline",
+    )
     _check(
         cfg.TRAIN.MIXED_PRECISION != "fp16",
         "TRAIN.MIXED_PRECISION",
