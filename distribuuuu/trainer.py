@@ -139,7 +139,28 @@ def prepare_model(
         # network runs channels-last; the normaliser writes the input batches
         # in that layout too, which saves the first convolution a copy.
         model = model.to(memory_format=torch.channels_last)
-    return strategy.prepare_model(model), channels_last
+    model = strategy.prepare_model(model)
+    if cfg.MODEL.COMPILE:
+        compile_in_place(strategy.plain_model(model), cfg.MODEL.COMPILE_MODE)
+    return model, channels_last
+
+
+def compile_in_place(model: nn.Module, mode: str) -> None:
+    """``torch.compile`` the forward of ``model`` in place (``nn.Module.compile``):
+    the module and its state_dict keys stay as they are, so checkpoints carry
+    no compiler prefix, and the wrapper around it (DDP) calls the compiled
+    forward in training as evaluation does.  Compilation happens at the first
+    forward; a graph that fails to compile runs eagerly, with torch's warning
+    (``torch._dynamo.config.suppress_errors``)."""
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True
+    model.compile(mode=None if mode == "default" else mode)
+    logger.info(
+        "MODEL.COMPILE: torch.compile (mode %s) at the first forward; what fails "
+        "to compile runs eagerly",
+        mode,
+    )
 
 
 def build_train_state(

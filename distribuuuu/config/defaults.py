@@ -62,6 +62,11 @@ _C.MODEL.DUMMY_INPUT = False
 # (or transformer block) in the backward pass instead of keeping them, trading
 # about one extra forward pass for memory; the result does not change
 _C.MODEL.ACT_CKPT = False
+# Compile the model's forward with torch.compile (in place: checkpoints keep
+# their keys); the first steps pay the compilation (about a minute on CPU)
+_C.MODEL.COMPILE = False
+# torch.compile's mode: default | reduce-overhead | max-autotune
+_C.MODEL.COMPILE_MODE = "default"
 # Keep an exponential moving average (EMA) of the weights, evaluated beside the
 # model at every evaluation ("val_ema" records), saved in the checkpoints, its
 # best weights in OUT_DIR/best_ema.pth

@@ -57,6 +57,7 @@ CHOICES = {
     "TEST.TTA": ("none", "flip", "five_crop", "ten_crop"),
     "CHECKPOINT.BEST_METRIC": ("top1", "loss"),
     "TRAIN.DISTILL.TYPE": ("soft", "hard"),
+    "MODEL.COMPILE_MODE": ("default", "reduce-overhead", "max-autotune"),
     "DIST.BACKEND": BACKENDS,
     "DIST.MODE": DIST_MODES,
     "DIST.STRATEGY": STRATEGIES,

@@ -315,6 +315,19 @@ def _validate_test(cfg: CfgNode) -> None:
     )
 
 
+def _validate_compile(cfg: CfgNode) -> None:
+    """MODEL.COMPILE: the strategies whose model is one module it compiles."""
+    if cfg.MODEL.COMPILE:
+        _check(
+            cfg.DIST.STRATEGY in ("ddp", "zero1", "fsdp")
+            and cfg.DIST.TENSOR_PARALLEL == 1,
+            "MODEL.COMPILE",
+            True,
+            f"is supported with DIST.STRATEGY ddp, zero1 and fsdp, not "
+            f"{cfg.DIST.STRATEGY} (or tensor parallelism)",
+        )
+
+
 def _validate_distill(cfg: CfgNode) -> None:
     """TRAIN.DISTILL: a teacher's architecture with its weights; a strategy
     whose step sees the images."""
@@ -427,4 +440,5 @@ def validate_cfg(cfg: CfgNode) -> None:
     _validate_test(cfg)
     _validate_model(cfg)
     _validate_distill(cfg)
+    _validate_compile(cfg)
     _validate_data(cfg)

@@ -1,0 +1,44 @@
+"""MODEL.COMPILE: torch.compile in place, checkpoints without compiler
+prefixes, the same accuracy as eager, under DDP too."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from helpers import assert_ok, read_metrics, refused, torchrun, train_net
+
+RUN = ["MODEL.ARCH", "lenet5", "OPTIM.MAX_EPOCH", "1", "RNG_SEED", "3"]
+
+
+def _best(out: str) -> dict:
+    return torch.load(os.path.join(out, "best.pth"), weights_only=True)["model"]
+
+
+@pytest.mark.slow
+def test_compiled_training_reaches_the_eager_accuracy(tmp_path):
+    eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
+    assert_ok(train_net(*RUN, "OUT_DIR", eager))
+    result = train_net(*RUN, "MODEL.COMPILE", "True", "OUT_DIR", compiled)
+    assert_ok(result)
+    assert "MODEL.COMPILE: torch.compile" in result.stdout
+    (a,), (b,) = read_metrics(eager, "val"), read_metrics(compiled, "val")
+    assert abs(a["top1"] - b["top1"]) <= 0.3
+    assert _best(compiled).keys() == _best(eager).keys()  # no _orig_mod.
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_ddp_trains_and_saves_plain_keys(tmp_path):
+    out = str(tmp_path)
+    assert_ok(torchrun(2, *RUN, "MODEL.COMPILE", "True", "OUT_DIR", out))
+    assert read_metrics(out, "val")[-1]["samples"] == 1000
+    assert not any("_orig_mod" in key for key in _best(out))
+
+
+def test_compile_is_refused_where_the_model_is_not_one_module(tmp_path):
+    line = refused(
+        str(tmp_path / "out"), "MODEL.COMPILE", "True", "DIST.STRATEGY", "dp"
+    )
+    assert "MODEL.COMPILE True is invalid: is supported with DIST.STRATEGY ddp" in line
