@@ -12,10 +12,14 @@ import glob
 import os
 
 import pytest
+import torch
+import yaml
 from helpers import REPO
 
 from distribuuuu import trainer
 from distribuuuu.config import load_cfg
+from distribuuuu.config.keys import get_key
+from distribuuuu.models import build_model
 
 RECIPES = sorted(glob.glob(os.path.join(REPO, "config", "*.yaml")))
 # Models built for one input size (torchvision's ViTs check it); the others
@@ -32,9 +36,21 @@ def test_recipes_are_found():
     assert {"resnet18.yaml", "vit_b_16.yaml", "cifar10_resnet18.yaml"} <= names
 
 
-def _shrunk(path: str, out_dir: str) -> list[str]:
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> list[str]:
+    """A small ImageNet-sized teacher standing in for a recipe's (whose
+    weights a user downloads)."""
+    path = str(tmp_path_factory.mktemp("teacher") / "resnet8.pth")
+    torch.save(build_model("resnet8", 1000).state_dict(), path)
+    return ["TRAIN.DISTILL.ARCH", "resnet8", "TRAIN.DISTILL.WEIGHTS", path]
+
+
+def _shrunk(path: str, out_dir: str, teacher: list[str]) -> list[str]:
     """Overrides that make recipe ``path`` one quick step on synthetic images."""
-    cfg = load_cfg(path, ["DATA.NAME", "synthetic"])
+    with open(path, encoding="utf-8") as f:
+        distilled = "DISTILL:" in f.read()
+    teacher = teacher if distilled else []
+    cfg = load_cfg(path, ["DATA.NAME", "synthetic", *teacher])
     fixed = [px for p, px in FIXED_SIZES.items() if cfg.MODEL.ARCH.startswith(p)]
     size, batch = (fixed[0], 1) if fixed else (SMALL_SIZE, 2)
     accum = 1 if fixed else min(cfg.TRAIN.ACCUM_STEPS, 2)  # still accumulates
@@ -47,13 +63,14 @@ def _shrunk(path: str, out_dir: str) -> list[str]:
         *("TRAIN.IM_SIZE", str(size), "TEST.IM_SIZE", str(size)),
         *("TEST.CROP_SIZE", "0", "TEST.CROP_PCT", "0"),
         *("TRAIN.MIXED_PRECISION", "none"),
+        *teacher,
     ]
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
-def test_recipe_trains_one_step_and_evaluates(path, tmp_path):
+def test_recipe_trains_one_step_and_evaluates(path, tmp_path, teacher):
     out_dir = str(tmp_path / "never")
-    overrides = _shrunk(path, out_dir)
+    overrides = _shrunk(path, out_dir, teacher)
     cfg = load_cfg(path, overrides)
     stats = trainer.dry_run(cfg)
     # One evaluation batch, every image counted. (Its loss is not checked: one
@@ -65,3 +82,33 @@ def test_recipe_trains_one_step_and_evaluates(path, tmp_path):
     assert correct == pytest.approx(round(correct), abs=1e-6)
     assert stats["topk"] >= stats["top1"]
     assert not os.path.exists(out_dir)  # a dry run writes nothing
+
+
+def _set_in(node: dict, prefix: str = "") -> dict:
+    """The dotted keys a recipe file sets itself, with their values."""
+    found = {}
+    for key, value in node.items():
+        if key == "_BASE_":
+            continue
+        if isinstance(value, dict):
+            found.update(_set_in(value, f"{prefix}{key}."))
+        else:
+            found[prefix + key] = value
+    return found
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_print_config_shows_what_each_recipe_sets(path, teacher):
+    """Every value a recipe file writes (the ones its comment cites) is the
+    merged config's: no later default or base file overrides it."""
+    with open(path, encoding="utf-8") as f:
+        values = _set_in(yaml.safe_load(f) or {})
+    extra = teacher if any(k.startswith("TRAIN.DISTILL") for k in values) else []
+    cfg = load_cfg(path, ["DATA.NAME", "synthetic", *extra])
+    for key, value in values.items():
+        if key in ("TRAIN.DISTILL.ARCH", "TRAIN.DISTILL.WEIGHTS", "DATA.NAME"):
+            continue  # stood in for: a small teacher, images that need no files
+        merged = get_key(cfg, key)
+        assert merged == value or (isinstance(value, list) and list(merged) == value), (
+            f"{key}: {merged!r} in the merged config, {value!r} in the file"
+        )
