@@ -35,8 +35,13 @@ def constructor_options(arch: str, model_cfg: CfgNode, small: bool) -> dict:
     for key, value in (("DROPOUT", dropout), ("DROP_PATH", drop_path)):
         if small and value >= 0:
             raise ValueError(f"MODEL.{key}: {arch} has no such layers to set")
-    options = {}
     timm = arch.startswith(TIMM_PREFIX)
+    if dropout >= 0 and not timm and _is_torchvision_vit(arch):
+        raise ValueError(
+            f"MODEL.DROPOUT: {arch} has no classifier dropout (torchvision's "
+            "dropout argument of its ViTs is the encoder's)"
+        )
+    options = {}
     if dropout >= 0:
         options["drop_rate" if timm else "dropout"] = dropout
     if drop_path >= 0 and (timm or not _is_torchvision_vit(arch)):
