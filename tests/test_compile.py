@@ -30,9 +30,11 @@ def test_compiled_training_reaches_the_eager_accuracy(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_compiled_ddp_trains_and_saves_plain_keys(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_compiled_ddp_and_fsdp_train_and_save_plain_keys(tmp_path, strategy):
     out = str(tmp_path)
-    assert_ok(torchrun(2, *RUN, "MODEL.COMPILE", "True", "OUT_DIR", out))
+    keys = ["MODEL.COMPILE", "True", "DIST.STRATEGY", strategy]
+    assert_ok(torchrun(2, *RUN, *keys, "OUT_DIR", out))
     assert read_metrics(out, "val")[-1]["samples"] == 1000
     assert not any("_orig_mod" in key for key in _best(out))
 
@@ -42,3 +44,21 @@ def test_compile_is_refused_where_the_model_is_not_one_module(tmp_path):
         str(tmp_path / "out"), "MODEL.COMPILE", "True", "DIST.STRATEGY", "dp"
     )
     assert "MODEL.COMPILE True is invalid: is supported with DIST.STRATEGY ddp" in line
+
+
+@pytest.mark.slow
+def test_compile_in_place_compiles_the_forward_and_keeps_the_keys():
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from distribuuuu.models import build_model
+    from distribuuuu.trainer import compile_in_place
+
+    model = build_model("lenet5", 10)
+    keys = list(model.state_dict())
+    torch._dynamo.reset()
+    counters.clear()
+    compile_in_place(model, "default")
+    model(torch.randn(2, 3, 28, 28))
+    assert counters["stats"]["unique_graphs"] >= 1  # dynamo captured the forward
+    assert list(model.state_dict()) == keys
