@@ -155,7 +155,7 @@ def test_a_checkpoint_of_2_ranks_goes_on_in_1_and_is_read_by_the_tools(tmp_path)
     kept = sorted(os.listdir(os.path.join(out, "checkpoints")))
     assert kept == [
         "ckpt_ep_0000_it_0030.ds", "ckpt_ep_0000_it_0030.pth",
-        "ckpt_ep_0001.ds", "ckpt_ep_0001.pth", "last",
+        "ckpt_ep_0001.ds", "ckpt_ep_0001.pth", "last", "scores.json",
     ]  # fmt: skip
     checkpoint = os.path.join(out, "checkpoints", "ckpt_ep_0001.pth")
     assert os.path.isdir(os.path.join(out, "checkpoints", "ckpt_ep_0001.ds", "zero"))
