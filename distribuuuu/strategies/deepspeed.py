@@ -15,8 +15,9 @@ the consolidated fp32 weights (and the EMA): the ``.ds`` folder resumes the
 same layout exactly, and everything else (another world size or ZeRO stage,
 another strategy, inspect, export, predict, ``MODEL.WEIGHTS``) reads the whole
 weights, the optimizer state then starting afresh.  DeepSpeed unpickles its
-files with ``weights_only=False``: they are read first with weights-only
-loading and a short list of DeepSpeed's classes, and refused otherwise.
+files with ``weights_only=False``: before it reads them, pre-flight and the
+choice of the checkpoint to resume walk each one with an allow-list
+unpickler (:mod:`distribuuuu.checkpoint.deepspeed_files`) and refuse the rest.
 """
 
 from __future__ import annotations
@@ -49,9 +50,6 @@ MISSING = (
     "DIST.STRATEGY deepspeed needs DeepSpeed, which is not installed here: "
     "pip install -e '.[deepspeed]'"
 )
-# The tag (sub-folder) of the .ds folder that DeepSpeed's files go to; the
-# folder itself also gets DeepSpeed's recovery scripts (zero_to_fp32.py).
-TAG = cp.DEEPSPEED_TAG
 
 
 def deepspeed_installed() -> bool:
@@ -195,17 +193,19 @@ class DeepSpeedStrategy(Strategy):
 
     # --- state in our checkpoint layout ---------------------------------- #
     def model_state_dict(self, model: nn.Module) -> dict:
-        """The whole model in fp32 (the optimizer's master weights), on every
-        rank; a collective."""
+        """The whole model in fp32 (the optimizer's master weights) on rank 0's
+        CPU ({} elsewhere); a collective."""
         from deepspeed.utils import safe_get_full_fp32_param
 
         module = model.module
         params = dict(module.named_parameters())
+        keep = du.is_main_process()
         whole = {}
         for name, tensor in module.state_dict(keep_vars=True).items():
-            if name in params:
+            if name in params:  # every rank takes part in the gather
                 tensor = safe_get_full_fp32_param(params[name])
-            whole[name] = tensor.detach().cpu().clone()
+            if keep:
+                whole[name] = tensor.detach().cpu().clone()
         return whole
 
     def load_model_state(self, model: nn.Module, weights: dict, strict=True) -> None:
@@ -244,13 +244,16 @@ class DeepSpeedStrategy(Strategy):
         partition), and the whole fp32 weights (and EMA) for everything else."""
 
         def write(folder: str) -> None:
-            model.save_checkpoint(folder, tag=TAG, save_latest=False)
-            for file in os.listdir(os.path.join(folder, TAG)):  # torch.save does not
-                with open(os.path.join(folder, TAG, file), "rb") as f:
+            # DeepSpeed's files go to its tag folder; the folder itself gets
+            # DeepSpeed's recovery scripts (zero_to_fp32.py).
+            model.save_checkpoint(folder, tag=cp.DEEPSPEED_TAG, save_latest=False)
+            files = os.path.join(folder, cp.DEEPSPEED_TAG)
+            for file in os.listdir(files):  # torch.save does not fsync
+                with open(os.path.join(files, file), "rb") as f:
                     os.fsync(f.fileno())
 
         folder, manifest = cp.save_folder(
-            out_dir, name, cp.DEEPSPEED_SUFFIX, write, TAG
+            out_dir, name, cp.DEEPSPEED_SUFFIX, write, cp.DEEPSPEED_TAG
         )
         entries = {
             MODEL: self.model_state_dict(model),
@@ -270,7 +273,7 @@ class DeepSpeedStrategy(Strategy):
         directory = cp.deepspeed_folder(saved.path, saved.state)
         loaded, _ = model.load_checkpoint(
             directory,
-            tag=TAG,
+            tag=cp.DEEPSPEED_TAG,
             load_module_strict=True,
             load_optimizer_states=True,
             load_lr_scheduler_states=False,
