@@ -248,11 +248,6 @@ class SavedRun:
         return None if layout is None else tuple(layout)
 
     @property
-    def shard_manifest(self):
-        """The size and SHA-256 of every file of its shard or DeepSpeed folder."""
-        return shard_manifest_of(self.state)
-
-    @property
     def optimizer_state(self) -> dict:
         """The optimizer state with its groups as lists (as torch keeps them)."""
         return grouped_by_list(self.state[OPTIMIZER])
