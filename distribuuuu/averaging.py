@@ -25,15 +25,11 @@ from distribuuuu.state import averaged_weights
 
 def select_checkpoints(out_dir: str, last: int = 0, best: int = 0,
                        lower_is_better: bool = False) -> list[str]:  # fmt: skip
-    """The newest ``last`` checkpoints of run ``out_dir``, or its ``best``
-    by the scores of ``checkpoints/scores.json`` (CHECKPOINT.KEEP_BEST's)."""
-    found = [path for _, path in cp.list_checkpoints(out_dir)]  # newest first
+    """The newest ``last`` checkpoints of run ``out_dir``, or its ``best`` by
+    the scores CHECKPOINT.KEEP_BEST records."""
     if last:
-        return found[:last]
-    scores = cp.read_scores(os.path.join(out_dir, cp.CHECKPOINT_DIR))
-    scored = [path for path in found if os.path.basename(path) in scores]
-    scored.sort(key=lambda p: scores[os.path.basename(p)], reverse=not lower_is_better)
-    return scored[:best]
+        return [path for _, path in cp.list_checkpoints(out_dir)][:last]
+    return cp.best_checkpoints(out_dir, best, lower_is_better)
 
 
 def _layout(weights: dict) -> dict:

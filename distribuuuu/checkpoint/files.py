@@ -185,18 +185,26 @@ def _write_scores(directory: str, scores: dict[str, float]) -> None:
     atomic_write(os.path.join(directory, SCORES), lambda f: f.write(text))
 
 
+def best_checkpoints(out_dir: str, count: int, lower_is_better: bool) -> list[str]:
+    """The ``count`` best-scored checkpoints of run ``out_dir``, best first (of
+    equal scores the newer), by ``checkpoints/scores.json``."""
+    scores = read_scores(os.path.join(out_dir, CHECKPOINT_DIR))
+    scored = [
+        path
+        for _, path in list_checkpoints(out_dir)  # newest first; the sort is stable
+        if os.path.basename(path) in scores
+    ]
+    scored.sort(key=lambda p: scores[os.path.basename(p)], reverse=not lower_is_better)
+    return scored[:count]
+
+
 def _prune(out_dir: str, retention: Retention) -> None:
     """Remove the checkpoints (and their folders) that ``retention`` does not keep."""
     found = [path for _, path in list_checkpoints(out_dir)]  # newest first
     kept = set(found[: retention.keep])
+    kept.update(best_checkpoints(out_dir, retention.best, retention.lower_is_better))
     directory = os.path.join(out_dir, CHECKPOINT_DIR)
     scores = read_scores(directory)
-    scored = [path for path in found if os.path.basename(path) in scores]
-    scored.sort(  # stable: of equal scores the newer wins
-        key=lambda path: scores[os.path.basename(path)],
-        reverse=not retention.lower_is_better,
-    )
-    kept.update(scored[: retention.best])
     for old in found:
         if old not in kept:
             os.remove(old)
