@@ -229,7 +229,7 @@ def test_a_crafted_deepspeed_file_is_refused_before_anything_runs(tmp_path):
 
 
 # --- refused before anything is written (exit 2, one error line) ----------- #
-def _refused(tmp_path, capsys, *keys: str) -> str:
+def _refused(tmp_path, *keys: str) -> str:
     return refused(str(tmp_path / "out"), *LENET, *DEEPSPEED, *keys)
 
 
@@ -256,15 +256,15 @@ def _json(tmp_path, text: str) -> str:
     ],
     ids=["stage", "offload", "params-offload", "nvme", "zero3-ema"],
 )
-def test_bad_keys_are_refused(tmp_path, capsys, keys, words):
-    assert words in _refused(tmp_path, capsys, *keys)
+def test_bad_keys_are_refused(tmp_path, keys, words):
+    assert words in _refused(tmp_path, *keys)
 
 
-def test_nvme_path_that_is_not_a_writable_directory(tmp_path, capsys):
+def test_nvme_path_that_is_not_a_writable_directory(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("")
     keys = ["DIST.DEEPSPEED.OFFLOAD_OPTIMIZER", "nvme"]
-    line = _refused(tmp_path, capsys, *keys, "DIST.DEEPSPEED.NVME_PATH", str(a_file))
+    line = _refused(tmp_path, *keys, "DIST.DEEPSPEED.NVME_PATH", str(a_file))
     assert "is not a writable directory" in line
 
 
@@ -283,9 +283,9 @@ def test_nvme_path_that_is_not_a_writable_directory(tmp_path, capsys):
     ],
     ids=["truncated", "list", "stage", "clip", "bf16", "optimizer"],
 )
-def test_user_json_that_is_bad_or_contradicts_our_keys(tmp_path, capsys, text, words):
+def test_user_json_that_is_bad_or_contradicts_our_keys(tmp_path, text, words):
     path = _json(tmp_path, text)
-    line = _refused(tmp_path, capsys, "DIST.DEEPSPEED.CONFIG", path)
+    line = _refused(tmp_path, "DIST.DEEPSPEED.CONFIG", path)
     assert words in line and "DIST.DEEPSPEED.CONFIG" in line
 
 
@@ -346,3 +346,30 @@ def test_merge_adds_what_we_have_no_key_for_and_accepts_agreeing_values():
         merge(ours, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
     with pytest.raises(ValueError, match="fp16.enabled 1 contradicts"):
         merge(ours, {"fp16": {"enabled": 1}})  # 1 is not false, nor true
+
+
+# --- DeepSpeed's files walked before DeepSpeed unpickles them --------------- #
+def _ds_folder(tmp_path, name: str, payload) -> str:
+    folder = tmp_path / "ckpt_ep_0001.ds"
+    (folder / "zero").mkdir(parents=True)
+    torch.save(payload, str(folder / "zero" / name))
+    return str(folder)
+
+
+def test_deepspeed_files_of_plain_state_pass_and_crafted_ones_are_refused(tmp_path):
+    from collections import OrderedDict
+
+    from distribuuuu.checkpoint import RefusedCheckpointError, check_deepspeed_files
+
+    plain = {"module": OrderedDict(w=torch.ones(2)), "ds_version": "0.19.8"}
+    check_deepspeed_files(
+        _ds_folder(tmp_path / "ok", "mp_rank_00_model_states.pt", plain)
+    )
+    crafted = {"module": _Marker(str(tmp_path / "marker"))}
+    folder = _ds_folder(tmp_path / "code", "mp_rank_00_model_states.pt", crafted)
+    with pytest.raises(RefusedCheckpointError, match="posix.system"):
+        check_deepspeed_files(folder)
+    other = _ds_folder(tmp_path / "name", "extra.pt", plain)
+    with pytest.raises(RefusedCheckpointError, match="not a file DeepSpeed writes"):
+        check_deepspeed_files(other)
+    assert not os.path.exists(tmp_path / "marker")
