@@ -125,9 +125,10 @@ def micro_batches(
 # - MODEL.SYNCBN: torch's SyncBatchNorm forward drops the statistics of empty
 #   ranks with a boolean mask (count_all[mask] in torch/nn/modules/_functions.py,
 #   pytorch issue 78549): one sync per SyncBN layer and micro-batch.
-# - stop.agreed() in after_step, with more than one process: all_reduce_max_int
-#   through a CPU gloo group (.item() of a CPU tensor). No GPU sync, but a host
-#   collective: every step waits for the slowest rank's host.
+# - stop.agreed() in after_step every DIST.STOP_CHECK_STEPS steps, with more
+#   than one process: all_reduce_max_int through a CPU gloo group (.item() of a
+#   CPU tensor). No GPU sync, but a host collective: that step waits for the
+#   slowest rank's host.
 # Not syncs: waiting for the data loader (host); the .to(device,
 # non_blocking=True) of images (in the normalizer) and targets, from the
 # loader's pinned batches (TRAIN.PIN_MEMORY; from pageable memory CUDA may copy
@@ -158,20 +159,39 @@ def train_step(
 
 class StopRequest:
     """Turns SIGTERM / SIGUSR1 (Slurm's warning before preemption or the time
-    limit) into a request that every rank agrees on at the next step."""
+    limit) into a request that every rank agrees on at the next check.
+
+    With more than one process the ranks check together every ``every``
+    optimizer steps (DIST.STOP_CHECK_STEPS) and whenever :meth:`agreed` is
+    called without a step (an epoch's end); one process checks every call.
+    """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self):
+    def __init__(self, every: int = 1):
+        self.every = every
         self.signum = 0
+        self.noted = False  # this rank's signal logged
         self.stopping = False  # agreed: the run stops
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum, frame) -> None:
         self.signum = signum
 
-    def agreed(self) -> int:
-        """The signal any rank received (0 if none): a collective call."""
+    def agreed(self, step: int | None = None) -> int:
+        """The signal any rank received (0 if none), after optimizer step
+        ``step`` (1-based; None: the end of an epoch).  A collective call at
+        the steps that check, with more than one process."""
+        if self.signum and not self.noted:
+            self.noted = True
+            when = "an epoch's end" if step is None else f"step {step}"
+            logger.info(
+                "%s received by this rank before %s; the ranks stop at their "
+                "next check (every %d steps with DIST.STOP_CHECK_STEPS)",
+                signal.Signals(self.signum).name, when, self.every,
+            )  # fmt: skip
+        if step is not None and step % self.every and du.is_distributed():
+            return 0
         agreed = du.all_reduce_max_int(self.signum)
         self.stopping = self.stopping or bool(agreed)
         return agreed

@@ -14,6 +14,7 @@ from yacs.config import CfgNode
 
 from distribuuuu import distributed as du
 from distribuuuu.logger import setup_logging
+from distribuuuu.precision import resolve_auto_precision
 from distribuuuu.strategies import strategy_class
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ def resolve_seed(seed: int | None) -> int:
 def run_context(
     cfg: CfgNode, log_files: bool = True
 ) -> Iterator[tuple[du.LaunchInfo, torch.device]]:
-    """Join the process group, set up logging and cuDNN; leave the group at exit.
+    """Join the process group, set up logging and cuDNN, resolve
+    TRAIN.MIXED_PRECISION auto in ``cfg`` for the device; leave the group at exit.
 
     Without ``log_files`` nothing is written to OUT_DIR (console only).
     """
@@ -67,6 +69,7 @@ def run_context(
             if du.is_distributed()
             else "",
         )
+        resolve_auto_precision(cfg, device)
         yield info, device
     finally:
         du.cleanup_distributed()

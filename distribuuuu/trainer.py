@@ -34,7 +34,7 @@ from distribuuuu.logger import MetricsWriter
 from distribuuuu.loop import StopRequest, train_epoch
 from distribuuuu.meters import PeakMemory
 from distribuuuu.models import build_configured, build_model, zero_init_residual
-from distribuuuu.precision import resolve_precision
+from distribuuuu.precision import resolve_auto_precision, resolve_precision
 from distribuuuu.recompute import enable_activation_checkpointing
 from distribuuuu.resume import resume_or_load, save_training_checkpoint
 from distribuuuu.run_log import log_training_images
@@ -63,7 +63,7 @@ def train_model(cfg: CfgNode) -> dict:
             state, train_loader, val_loader = build_train_state(
                 cfg, info, device, writer
             )
-            stop = StopRequest()
+            stop = StopRequest(cfg.DIST.STOP_CHECK_STEPS)
             try:
                 return train_epochs(cfg, state, train_loader, val_loader, stop)
             finally:
@@ -177,6 +177,7 @@ def build_train_state(
         blocks = zero_init_residual(model)
         logger.info("residual branches zero-initialised in %d blocks", blocks)
     size = reports.model_size(model)
+    resolve_auto_precision(cfg, device)  # done already inside run_context
     amp_dtype, use_scaler = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
     strategy = build_strategy(cfg, device, amp_dtype)
     model, channels_last = prepare_model(cfg, strategy, model)
@@ -294,7 +295,7 @@ def train_epochs(
 
     def after_step() -> bool:
         nonlocal stopped_by
-        stopped_by = stop.agreed()
+        stopped_by = stop.agreed(state.clock.done_iters)
         if stopped_by or (period and state.clock.done_iters % period == 0):
             save_training_checkpoint(cfg, state)
         return bool(stopped_by)

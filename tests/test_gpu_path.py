@@ -30,7 +30,7 @@ from torch import nn
 
 from distribuuuu import checkpoint as cp
 from distribuuuu import distributed as du
-from distribuuuu import session
+from distribuuuu import precision, session
 from distribuuuu import state as run_state
 from distribuuuu.config import get_cfg
 from distribuuuu.launch import spawn
@@ -362,11 +362,16 @@ def test_cudnn_flags_of_a_gpu_run(
     calls: list = []
     fake = _fake_setup(calls, torch.device("cuda", 0))
     monkeypatch.setattr(du, "setup_distributed", fake)
+    asked = []  # an Ampere GPU: TRAIN.MIXED_PRECISION auto is bf16 there
+    monkeypatch.setattr(
+        precision, "cuda_capability", lambda d: asked.append(d) or (8, 0)
+    )
     cfg = get_cfg()
     cfg.CUDNN.BENCHMARK, cfg.CUDNN.DETERMINISTIC = benchmark, deterministic
     with session.run_context(cfg, log_files=False):
         flags = torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic
     assert flags == expected
+    assert cfg.TRAIN.MIXED_PRECISION == "bf16" and asked == [torch.device("cuda", 0)]
     said = "CUDNN.BENCHMARK turned off" in capsys.readouterr().out
     assert said == (benchmark and deterministic)
 

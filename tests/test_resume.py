@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -184,7 +185,9 @@ def _worker_pid(torchrun_pid: int, rank: int) -> int:
 )
 def test_sigusr1_to_one_rank_stops_all_at_a_step_with_a_checkpoint(tmp_path, more):
     out = str(tmp_path)
-    args = [*FAST, "OPTIM.MAX_EPOCH", "2", *more, "OUT_DIR", out]
+    check = 8  # the ranks agree every 8 steps (not on the print steps, every 20)
+    args = [*FAST, "OPTIM.MAX_EPOCH", "2", "DIST.STOP_CHECK_STEPS", str(check)]
+    args += [*more, "OUT_DIR", out]
     proc = start(_command(2, args))
     try:
         deadline = time.time() + 120
@@ -205,6 +208,15 @@ def test_sigusr1_to_one_rank_stops_all_at_a_step_with_a_checkpoint(tmp_path, mor
     last = read_text(out, "checkpoints", "last").strip()
     assert last.startswith("ckpt_ep_0000_it_"), last
     assert "stopped by SIGUSR1 after saving a checkpoint" in read_text(out, "log.txt")
+    # Rank 1 got the signal between two checks; both ranks stopped at the next.
+    received = re.search(
+        r"SIGUSR1 received by this rank before step (\d+)", read_text(log)
+    )
+    stopped_at = int(last.rsplit("_", 1)[1].split(".")[0])
+    assert received, read_text(log)
+    assert stopped_at % check == 0
+    assert int(received.group(1)) <= stopped_at < int(received.group(1)) + check
+    assert "SIGUSR1 received" not in read_text(out, "log.txt")  # rank 0's log
     rerun = torchrun(2, *args)
     assert_ok(rerun)
     assert f"resumed from {out}/checkpoints/{last}" in rerun.stdout

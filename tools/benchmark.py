@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--batch", type=int, default=0, help="images per step (default: recipe's)")
     add("--steps", type=int, default=20, help="training steps per repeat")
     add("--repeats", type=int, default=5, help="repeats of every measurement")
-    add("--precision", default="", help="TRAIN.MIXED_PRECISION: none|bf16|fp16")
+    add("--precision", default="", help="TRAIN.MIXED_PRECISION: auto|none|bf16|fp16")
     add(
         "--channels-last",
         action=argparse.BooleanOptionalAction,

@@ -41,7 +41,7 @@ DIST_MODES = ("ddp", "dp")
 STRATEGIES = ("dp", "ddp", "zero1", "fsdp", "pipeline", "deepspeed")
 OFFLOADS = ("none", "cpu", "nvme")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-PRECISIONS = ("none", "bf16", "fp16")
+PRECISIONS = ("auto", "none", "bf16", "fp16")
 AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
 
 # Keys with a fixed set of values.

@@ -89,6 +89,7 @@ _RANGES = {
         f"must be in (0, {MAX_INIT_TIMEOUT}] seconds (7 days)",
     ),
     "DIST.TENSOR_PARALLEL": (lambda v: v >= 1, "must be >= 1 (1 = off)"),
+    "DIST.STOP_CHECK_STEPS": (lambda v: v >= 1, "must be >= 1"),
     "DIST.PIPELINE.STAGES": (lambda v: v >= 2, "must be >= 2"),
     "DIST.PIPELINE.MICROBATCHES": (lambda v: v >= 0, "must be >= 0 (0 = 2 x STAGES)"),
     "DIST.PIPELINE.VIRTUAL_STAGES": (lambda v: v >= 1, "must be >= 1"),

@@ -39,7 +39,7 @@ from distribuuuu import checkpoint as cp
 from distribuuuu import distributed as du
 from distribuuuu import optim
 from distribuuuu.deepspeed_config import DS_CONFIG_FILE, check_nvme, run_config
-from distribuuuu.precision import autocast
+from distribuuuu.precision import autocast, resolve_auto_precision
 from distribuuuu.state import EMA, MODEL, SavedRun, deepspeed_entries
 from distribuuuu.strategies.base import MicroBatch, Strategy
 from distribuuuu.strategies.ddp import convert_syncbn
@@ -102,6 +102,10 @@ class DeepSpeedStrategy(Strategy):
         if not deepspeed_installed():
             raise ValueError(MISSING)
         check_nvme(cfg)
+        if cfg.TRAIN.MIXED_PRECISION == "auto":  # as the ranks will resolve it
+            cfg = cfg.clone()
+            on_gpu = cfg.DEVICE != "cpu" and torch.cuda.is_available()
+            resolve_auto_precision(cfg, torch.device("cuda:0" if on_gpu else "cpu"))
         run_config(cfg, world_size)
 
     @classmethod
