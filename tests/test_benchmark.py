@@ -31,7 +31,8 @@ def test_short_benchmark_writes_table_and_json(tmp_path):
     cmd += ["--model", "resnet8", "--batch", "8", "--out", str(out)]
     result = run_command(cmd, timeout=240)
     assert_ok(result)
-    for row in ("train_step", "train_step cpu", "eval", "data_pipeline", "startup"):
+    rows = ("train_step", "train_step cpu", "eval", "data_pipeline", "startup")
+    for row in (*rows, "startup beyond", "stop check"):
         assert row in result.stdout
     report = json.loads(out.read_text())
     settings, results = report["settings"], report["results"]
@@ -49,7 +50,15 @@ def test_short_benchmark_writes_table_and_json(tmp_path):
             assert set(figure) == SIDE_KEYS and len(figure["runs"]) == 2
             assert figure["min"] <= figure["median"] <= figure["max"]
             assert figure["min"] > 0
-    assert results["startup"]["seconds"]["median"] > 0
+    startup = results["startup"]
+    assert startup["seconds"]["median"] > startup["imports"]["median"] > 0
+    runs = zip(startup["seconds"]["runs"], startup["imports"]["runs"])
+    assert startup["beyond_imports"]["runs"] == [a - b for a, b in runs]
+    stop = results["stop_check"]
+    assert stop["every"] == 20 and 0 < stop["check_s"]["median"] < 1
+    assert stop["per_step_s"] == stop["check_s"]["median"] / 20
+    step_s = 8 / results["train_step"]["ours"]["median"]
+    assert stop["share"] == pytest.approx(stop["per_step_s"] / step_s)
 
 
 def test_interleave_alternates_the_first_side_and_pairs_ratios(monkeypatch):

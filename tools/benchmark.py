@@ -15,7 +15,11 @@ Measurements, printed as a table and written as JSON (``--out``):
   with the classic PIL transforms, same workers and batch, on ImageNet-sized
   JPEGs that the tool writes first;
 * eval: img/s of ``evaluation.evaluate`` beside a minimal no-grad loop;
-* start-up: seconds of ``train_net.py --dry-run`` (build, a step, an eval batch);
+* start-up: seconds of ``train_net.py --dry-run`` (build, a step, an eval batch)
+  beside ``python -c "import torch, torchvision"``, and the difference;
+* stop check: seconds of the ranks' agreement on a stop request (2 local gloo
+  ranks), and its cost per training step with DIST.STOP_CHECK_STEPS, also as
+  a share of the measured train step;
 * ``--only pipeline``: GPipe's and 1F1B's bubble (distribuuuu.pipeline_bubble).
 
 The two sides of a measurement alternate, repeat after repeat (the first
@@ -57,6 +61,7 @@ from distribuuuu.logger import PACKAGE_LOGGER, MetricsWriter, setup_logging
 from distribuuuu.loop import train_epoch
 from distribuuuu.models import build_model
 from distribuuuu.pipeline_bubble import format_bubble, measure_bubble
+from distribuuuu.stop_cost import measure_stop_check
 from distribuuuu.trainer import build_train_state
 
 TRAIN_NET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_net.py")
@@ -91,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--data-images", type=int, default=1024, help="JPEGs in the data folder")
     add("--data-im-size", type=int, default=224, help="crop of the data pipeline")
     add("--data-batch", type=int, default=32, help="batch of the data pipeline")
-    add("--only", default="train,data,eval,startup", help="...,pipeline")
+    add("--only", default="train,data,eval,startup,stop", help="...,pipeline")
     add("--short", action="store_true", help="tiny sizes, 2 repeats (smoke test)")
     add("--out", default="benchmark.json", help="JSON file to write")
     args = parser.parse_args(argv)
@@ -411,19 +416,43 @@ def bench_data(args: argparse.Namespace, work_dir: str) -> dict:
 
 
 def bench_startup(args: argparse.Namespace, work_dir: str) -> dict:
-    """Seconds of ``train_net.py --dry-run`` of the recipe, launch to exit."""
+    """Seconds of ``train_net.py --dry-run`` of the recipe, launch to exit,
+    beside those of importing torch and torchvision alone (alternating), and
+    the per-repeat difference: what the run itself adds."""
     cmd = [sys.executable, TRAIN_NET, "--dry-run", "--num-procs", str(args.ranks)]
     cmd += ["--cfg", args.cfg] if args.cfg else []
     cmd += [*recipe_opts(args), "OUT_DIR", os.path.join(work_dir, "startup")]
+    imports = [sys.executable, "-c", "import torch, torchvision"]
     env = dict(os.environ)
     if args.threads:  # torch reads it at start-up for its thread pool
         env["OMP_NUM_THREADS"] = str(args.threads)
-    seconds = []
-    for _ in range(1 if args.short else args.repeats):
-        tic = time.perf_counter()
-        subprocess.run(cmd, check=True, capture_output=True, timeout=600, env=env)
-        seconds.append(time.perf_counter() - tic)
-    return {"seconds": summarize(seconds), "ranks": args.ranks}
+    seconds: dict[str, list[float]] = {"dry run": [], "imports": []}
+    for repeat in range(1 if args.short else args.repeats):
+        sides = [("dry run", cmd), ("imports", imports)]
+        for name, command in sides if repeat % 2 == 0 else sides[::-1]:
+            tic = time.perf_counter()
+            subprocess.run(command, check=True, capture_output=True, timeout=600,
+                           env=env)  # fmt: skip
+            seconds[name].append(time.perf_counter() - tic)
+    beyond = [a - b for a, b in zip(seconds["dry run"], seconds["imports"])]
+    return {
+        "seconds": summarize(seconds["dry run"]),
+        "imports": summarize(seconds["imports"]),
+        "beyond_imports": summarize(beyond),
+        "ranks": args.ranks,
+    }
+
+
+def bench_stop_check(args: argparse.Namespace, cfg, results: dict) -> dict:
+    """One stop check between 2 gloo ranks, per check and per training step
+    (DIST.STOP_CHECK_STEPS), and as a share of the measured train step."""
+    check = measure_stop_check(calls=20 if args.short else 200, repeats=args.repeats)
+    every = cfg.DIST.STOP_CHECK_STEPS
+    result = {"check_s": check, "every": every, "per_step_s": check["median"] / every}
+    if "train_step" in results:  # ours: img/s of one process
+        step_s = cfg.TRAIN.BATCH_SIZE / results["train_step"]["ours"]["median"]
+        result.update(step_s=step_s, share=result["per_step_s"] / step_s)
+    return result
 
 
 def _row(name: str, result: dict, unit: str = "img/s") -> str:
@@ -449,8 +478,24 @@ def format_table(results: dict) -> str:
             if "cpu" in results[name]:
                 lines.append(_row(f"{name} cpu", results[name]["cpu"], "img/cs"))
     if "startup" in results:
-        startup = {"dry run": results["startup"]["seconds"]}
-        lines.append(_row("startup", startup, "s"))
+        startup = results["startup"]
+        sides = {"dry run": startup["seconds"], "imports": startup["imports"]}
+        lines.append(_row("startup", sides, "s"))
+        lines.append(
+            _row("startup beyond", {"imports": startup["beyond_imports"]}, "s")
+        )
+    if "stop_check" in results:
+        stop = results["stop_check"]
+        check = {
+            "check": {k: 1e6 * stop["check_s"][k] for k in ("median", "min", "max")}
+        }
+        text = _row("stop check", check, "us")
+        text += f"  every {stop['every']} steps: {1e6 * stop['per_step_s']:.1f} us/step"
+        if "share" in stop:
+            text += (
+                f" = {100 * stop['share']:.3f}% of a {1e3 * stop['step_s']:.0f} ms step"
+            )
+        lines.append(text)
     lines.append("img/cs: images per CPU-second of the process and its workers")
     if "pipeline" in results:
         lines.append(format_bubble(results["pipeline"]))
@@ -472,6 +517,8 @@ def main(argv: list[str] | None = None) -> dict:
             results["data_pipeline"] = bench_data(args, work_dir)
         if "startup" in what:
             results["startup"] = bench_startup(args, work_dir)
+        if "stop" in what:
+            results["stop_check"] = bench_stop_check(args, cfg, results)
     if "pipeline" in what:
         results["pipeline"] = measure_bubble(repeats=args.repeats)
     report = {
