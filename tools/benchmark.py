@@ -481,9 +481,8 @@ def format_table(results: dict) -> str:
         startup = results["startup"]
         sides = {"dry run": startup["seconds"], "imports": startup["imports"]}
         lines.append(_row("startup", sides, "s"))
-        lines.append(
-            _row("startup beyond", {"imports": startup["beyond_imports"]}, "s")
-        )
+        beyond = {"dry run - imports": startup["beyond_imports"]}
+        lines.append(_row("startup beyond", beyond, "s"))
     if "stop_check" in results:
         stop = results["stop_check"]
         check = {
