@@ -37,8 +37,6 @@ import dataclasses
 import json
 import logging
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,10 +46,14 @@ import numpy as np
 import torch
 import torchvision
 from PIL import Image
-from torch import nn
 from torchvision import transforms as classic
 
-from distribuuuu import optim
+from distribuuuu.baselines import (
+    InMemoryLoader,
+    make_batches,
+    minimal_eval,
+    minimal_train,
+)
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_dataset, build_normalizer, build_train_loader
 from distribuuuu.data.datasets import IMAGENET_MEAN, IMAGENET_STD
@@ -60,8 +62,13 @@ from distribuuuu.evaluation import EvalSpec, evaluate
 from distribuuuu.logger import PACKAGE_LOGGER, MetricsWriter, setup_logging
 from distribuuuu.loop import train_epoch
 from distribuuuu.models import build_model
+from distribuuuu.overheads import (
+    format_stop_check,
+    measure_startup,
+    stop_check_cost,
+    summarize,
+)
 from distribuuuu.pipeline_bubble import format_bubble, measure_bubble
-from distribuuuu.stop_cost import measure_stop_check
 from distribuuuu.trainer import build_train_state
 
 TRAIN_NET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_net.py")
@@ -104,16 +111,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps, args.repeats, args.data_images = 3, 2, 16
         args.data_im_size, args.data_batch = 64, 8
     return args
-
-
-def summarize(values: list[float]) -> dict:
-    """Median, slowest and fastest of repeated measurements, and all of them."""
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "runs": values,
-    }
 
 
 def interleave(sides: dict[str, Callable[[], int]], repeats: int) -> dict:
@@ -168,43 +165,6 @@ def _compare(runs: dict[str, list[float]]) -> dict:
     return result
 
 
-class InMemoryLoader:
-    """``steps`` batches cycled from a list, shaped like a training DataLoader.
-
-    It has what ``train_epoch`` and ``evaluate`` read (``len``, iteration,
-    ``sampler.set_epoch``, ``dataset``), so both sides get the very same
-    tensors with no loading cost.
-    """
-
-    class _Sampler:
-        def set_epoch(self, epoch: int, start: int = 0) -> None:
-            """Nothing to shuffle."""
-
-    def __init__(self, batches: list, steps: int):
-        self.batches, self.steps = batches, steps
-        self.sampler = self._Sampler()
-        self.dataset = [(batches[0][0][0], 0)]
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def __iter__(self) -> Iterator:
-        return (self.batches[i % len(self.batches)] for i in range(self.steps))
-
-
-def make_batches(count: int, batch: int, im_size: int, classes: int) -> list:
-    """``count`` batches of random uint8 images and labels, as loaders give them."""
-    generator = torch.Generator().manual_seed(0)
-    shape = (batch, 3, im_size, im_size)
-    return [
-        (
-            torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator),
-            torch.randint(classes, (batch,), generator=generator),
-        )
-        for _ in range(count)
-    ]
-
-
 def recipe_opts(args: argparse.Namespace) -> list[str]:
     """KEY VALUE words of the measured recipe on synthetic data (every side,
     and the start-up run)."""
@@ -232,47 +192,6 @@ def recipe_opts(args: argparse.Namespace) -> list[str]:
 def bench_cfg(args: argparse.Namespace, out_dir: str):
     """The frozen cfg of the measured recipe on synthetic data."""
     return load_cfg(args.cfg or None, [*recipe_opts(args), "OUT_DIR", out_dir])
-
-
-def minimal_train(model: nn.Module, loader, cfg, amp_dtype, device) -> Callable:
-    """One repeat of the plain loop of the tutorials; returns the images done.
-
-    Its optimizer has the recipe's settings, so that the comparison measures
-    the framework, not another optimizer.
-    """
-    groups = optim.build_param_groups(model, cfg.OPTIM)
-    optimizer = optim.OPTIMIZERS[cfg.OPTIM.OPTIMIZER](groups, cfg.OPTIM)
-    criterion = nn.CrossEntropyLoss()
-
-    def repeat() -> float:
-        model.train()
-        for images, targets in loader:
-            images, targets = images.to(device), targets.to(device)
-            with torch.autocast(device.type, amp_dtype, enabled=amp_dtype is not None):
-                loss = criterion(model(images), targets)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            loss.item()
-        return len(loader) * len(images)
-
-    return repeat
-
-
-def minimal_eval(model: nn.Module, loader, amp_dtype, device) -> Callable:
-    """One repeat of a plain no-grad evaluation loop; returns the images done."""
-
-    @torch.no_grad()
-    def repeat() -> float:
-        model.eval()
-        correct = 0
-        for images, targets in loader:
-            images, targets = images.to(device), targets.to(device)
-            with torch.autocast(device.type, amp_dtype, enabled=amp_dtype is not None):
-                correct += (model(images).argmax(1) == targets).sum().item()
-        return len(loader) * len(images)
-
-    return repeat
 
 
 @contextlib.contextmanager
@@ -417,42 +336,15 @@ def bench_data(args: argparse.Namespace, work_dir: str) -> dict:
 
 def bench_startup(args: argparse.Namespace, work_dir: str) -> dict:
     """Seconds of ``train_net.py --dry-run`` of the recipe, launch to exit,
-    beside those of importing torch and torchvision alone (alternating), and
-    the per-repeat difference: what the run itself adds."""
+    beside the bare imports of torch and torchvision."""
     cmd = [sys.executable, TRAIN_NET, "--dry-run", "--num-procs", str(args.ranks)]
     cmd += ["--cfg", args.cfg] if args.cfg else []
     cmd += [*recipe_opts(args), "OUT_DIR", os.path.join(work_dir, "startup")]
-    imports = [sys.executable, "-c", "import torch, torchvision"]
     env = dict(os.environ)
     if args.threads:  # torch reads it at start-up for its thread pool
         env["OMP_NUM_THREADS"] = str(args.threads)
-    seconds: dict[str, list[float]] = {"dry run": [], "imports": []}
-    for repeat in range(1 if args.short else args.repeats):
-        sides = [("dry run", cmd), ("imports", imports)]
-        for name, command in sides if repeat % 2 == 0 else sides[::-1]:
-            tic = time.perf_counter()
-            subprocess.run(command, check=True, capture_output=True, timeout=600,
-                           env=env)  # fmt: skip
-            seconds[name].append(time.perf_counter() - tic)
-    beyond = [a - b for a, b in zip(seconds["dry run"], seconds["imports"])]
-    return {
-        "seconds": summarize(seconds["dry run"]),
-        "imports": summarize(seconds["imports"]),
-        "beyond_imports": summarize(beyond),
-        "ranks": args.ranks,
-    }
-
-
-def bench_stop_check(args: argparse.Namespace, cfg, results: dict) -> dict:
-    """One stop check between 2 gloo ranks, per check and per training step
-    (DIST.STOP_CHECK_STEPS), and as a share of the measured train step."""
-    check = measure_stop_check(calls=20 if args.short else 200, repeats=args.repeats)
-    every = cfg.DIST.STOP_CHECK_STEPS
-    result = {"check_s": check, "every": every, "per_step_s": check["median"] / every}
-    if "train_step" in results:  # ours: img/s of one process
-        step_s = cfg.TRAIN.BATCH_SIZE / results["train_step"]["ours"]["median"]
-        result.update(step_s=step_s, share=result["per_step_s"] / step_s)
-    return result
+    repeats = 1 if args.short else args.repeats
+    return {**measure_startup(cmd, env, repeats), "ranks": args.ranks}
 
 
 def _row(name: str, result: dict, unit: str = "img/s") -> str:
@@ -484,17 +376,7 @@ def format_table(results: dict) -> str:
         beyond = {"dry run - imports": startup["beyond_imports"]}
         lines.append(_row("startup beyond", beyond, "s"))
     if "stop_check" in results:
-        stop = results["stop_check"]
-        check = {
-            "check": {k: 1e6 * stop["check_s"][k] for k in ("median", "min", "max")}
-        }
-        text = _row("stop check", check, "us")
-        text += f"  every {stop['every']} steps: {1e6 * stop['per_step_s']:.1f} us/step"
-        if "share" in stop:
-            text += (
-                f" = {100 * stop['share']:.3f}% of a {1e3 * stop['step_s']:.0f} ms step"
-            )
-        lines.append(text)
+        lines.append(format_stop_check(results["stop_check"]))
     lines.append("img/cs: images per CPU-second of the process and its workers")
     if "pipeline" in results:
         lines.append(format_bubble(results["pipeline"]))
@@ -517,7 +399,12 @@ def main(argv: list[str] | None = None) -> dict:
         if "startup" in what:
             results["startup"] = bench_startup(args, work_dir)
         if "stop" in what:
-            results["stop_check"] = bench_stop_check(args, cfg, results)
+            step_s = None  # ours, in one process
+            if "train_step" in results:
+                step_s = cfg.TRAIN.BATCH_SIZE / results["train_step"]["ours"]["median"]
+            results["stop_check"] = stop_check_cost(
+                cfg.DIST.STOP_CHECK_STEPS, step_s, args.short, args.repeats
+            )
     if "pipeline" in what:
         results["pipeline"] = measure_bubble(repeats=args.repeats)
     report = {

@@ -70,18 +70,30 @@ from distribuuuu.checkpoint.reading import (
     load_model_weights,
     weights_in,
 )
-from distribuuuu.checkpoint.shards import (
-    SafeLoadPlanner,
-    SafeShardReader,
-    load_shards,
-    read_dcp_metadata,
-    read_sharded,
-    save_folder,
-    save_sharded,
-    shard_manifest,
-    shards_of,
-    verify_shards,
+
+# The sharded (DCP) side is imported when first used: torch.distributed.checkpoint
+# takes about 0.3 s to import, which a run without sharded checkpoints skips.
+_SHARDS = (
+    "SafeLoadPlanner",
+    "SafeShardReader",
+    "load_shards",
+    "read_dcp_metadata",
+    "read_sharded",
+    "save_folder",
+    "save_sharded",
+    "shard_manifest",
+    "shards_of",
+    "verify_shards",
 )
+
+
+def __getattr__(name: str):
+    if name in _SHARDS:
+        from distribuuuu.checkpoint import shards
+
+        return getattr(shards, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BEST_EMA_WEIGHTS",

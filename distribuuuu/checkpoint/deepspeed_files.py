@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from distribuuuu.checkpoint.files import DEEPSPEED_SUFFIX, DEEPSPEED_TAG, refused
-from distribuuuu.checkpoint.shards import folder_beside
 from distribuuuu.state import deepspeed_folder_name
 
 # The files DeepSpeed writes into a checkpoint's tag folder.
@@ -83,6 +82,8 @@ class _DeepSpeedUnpickler(pickle.Unpickler):
 
 def deepspeed_folder(path: str, state: dict) -> str:
     """The DeepSpeed folder that checkpoint ``path`` (``state``) names, beside it."""
+    from distribuuuu.checkpoint.shards import folder_beside  # imports DCP
+
     return folder_beside(path, deepspeed_folder_name(state), DEEPSPEED_SUFFIX)
 
 

@@ -27,12 +27,6 @@ from distribuuuu.checkpoint.files import (
     list_checkpoints,
     load_file,
 )
-from distribuuuu.checkpoint.shards import (
-    check_shard_items,
-    read_sharded,
-    shards_of,
-    verify_shards,
-)
 from distribuuuu.logger import FILE_ONLY
 from distribuuuu.models.vit import fuse_qkv
 from distribuuuu.state import (
@@ -51,6 +45,8 @@ def load_full(path: str) -> Any:
     """:func:`load_file`, with the shards of an FSDP checkpoint read in whole."""
     state = load_file(path)
     if is_sharded_checkpoint(state):
+        from distribuuuu.checkpoint.shards import read_sharded, shards_of
+
         state = {**state, **read_sharded(shards_of(path, state))}
         # A tensor-parallel torchvision ViT saves its attention split.
         if isinstance(state.get(MODEL), dict):
@@ -116,13 +112,22 @@ def _check_training_state(path: str, state: Any, checksums: bool) -> None:
     """Raise unless a loaded file is a whole training checkpoint."""
     if not is_training_checkpoint(state):
         raise DamagedCheckpointError("not a training checkpoint")
+    sharded = is_sharded_checkpoint(state)
+    if deepspeed_folder_name(state) is None and not sharded:
+        return  # one file: DCP, which the checks below import, is not needed
+    from distribuuuu.checkpoint.shards import (
+        check_shard_items,
+        shards_of,
+        verify_shards,
+    )
+
     if deepspeed_folder_name(state) is not None:
         folder = deepspeed_folder(path, state)
         check_deepspeed_files(folder)  # refused, whatever the manifest says
         manifest = shard_manifest_of(state)
         if checksums and manifest is not None:
             verify_shards(os.path.join(folder, DEEPSPEED_TAG), manifest)
-    if not is_sharded_checkpoint(state):
+    if not sharded:
         return
     directory = shards_of(path, state)
     manifest = shard_manifest_of(state)
