@@ -30,10 +30,12 @@ from distribuuuu.recompute import enable_activation_checkpointing
 timm = pytest.importorskip("timm")
 
 # One epoch of timm's 0.1 M-parameter EfficientNet on the embedded digits
-# (62 steps of 64), a checkpoint every 20 steps, all kept.
+# (62 steps of 64), its blocks recomputed, a checkpoint every 20 steps, all kept.
 RUN = [
     "MODEL.ARCH",
     "timm/test_efficientnet",
+    "MODEL.ACT_CKPT",
+    "True",
     "OPTIM.MAX_EPOCH",
     "1",
     "TRAIN.PRINT_FREQ",
@@ -70,6 +72,7 @@ def trained(tmp_path_factory) -> tuple[str, str]:
 def test_a_timm_model_learns_the_digits(trained):
     out, stdout = trained
     assert "model: timm/test_efficientnet built by timm" in stdout
+    assert "activation checkpointing: 5 blocks recompute" in stdout
     losses = [r["loss"] for r in read_metrics(out, "train")]
     assert losses[-1] < 0.7 * losses[0]
     assert read_metrics(out, "val")[-1]["top1"] > 50  # chance: 10
