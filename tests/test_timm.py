@@ -24,7 +24,13 @@ from helpers import (
 )
 
 from distribuuuu.checkpoint import load_full
-from distribuuuu.models import build_model, find_blocks, model_library
+from distribuuuu.config import load_cfg
+from distribuuuu.models import (
+    build_configured,
+    build_model,
+    find_blocks,
+    model_library,
+)
 from distribuuuu.recompute import enable_activation_checkpointing
 
 timm = pytest.importorskip("timm")
@@ -192,6 +198,12 @@ def test_plain_names_torchvision_lacks_are_timm_models():
     model = build_model("resnet10t", 3)  # timm's only
     assert type(model).__module__ == "timm.models.resnet"
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+    # The regularisation keys reach it through timm's own arguments.
+    cfg = load_cfg(None, ["MODEL.ARCH", "resnet10t", "MODEL.DROP_PATH", "0.1",
+                          "MODEL.DROPOUT", "0.3"])  # fmt: skip
+    model = build_configured(cfg.MODEL)
+    assert model.drop_rate == 0.3
+    assert any(type(m).__name__ == "DropPath" for m in model.modules())
 
 
 def test_without_timm_a_timm_name_is_refused_naming_the_extra(tmp_path, monkeypatch):
