@@ -25,6 +25,7 @@ from helpers import (
 
 from distribuuuu.checkpoint import load_full
 from distribuuuu.config import load_cfg
+from distribuuuu.inference import KIND_STATE_DICT, Checkpoint, inference_cfg
 from distribuuuu.models import (
     build_configured,
     build_model,
@@ -214,3 +215,7 @@ def test_without_timm_a_timm_name_is_refused_naming_the_extra(tmp_path, monkeypa
         assert f"MODEL.ARCH {arch!r}" in line
         assert "pip install 'distribuuuu[timm]'" in line
     assert "did you mean resnet18?" in refused(out, "MODEL.ARCH", "resnet181")
+    # The tools, given the weights of a timm model (predict, export, ...)
+    weights = Checkpoint("w.pth", KIND_STATE_DICT, {}, {})
+    with pytest.raises(ValueError, match=r"not installed: pip install 'distribu"):
+        inference_cfg(weights, opts=["MODEL.ARCH", "regnetx_160"])

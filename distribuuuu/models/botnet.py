@@ -7,8 +7,9 @@ three bottleneck blocks by all-to-all multi-head self-attention (4 heads) with
 ``q . k + q . r_h[k - i] + q . r_w[l - j]`` (relative height and width
 logits, as in Bello et al. 2019 and the paper's Figure 4).  The first c5
 block downsamples by 2x2 average pooling after the attention; BatchNorm and
-ReLU sit where the ResNet bottleneck has them.  20.86 M parameters with a
-1000-way head (the paper: 20.8 M).
+ReLU sit where the ResNet bottleneck has them.  20,852,008 parameters with
+a 1000-way head (the paper: 20.8 M; the original Distribuuuu's botnet50 kept
+c5 at 14x14, without the stride, hence 7,168 more position parameters).
 
 The position tables are learnt for the feature maps of a 224 px input (14x14
 in the first c5 block, 7x7 after its pooling).  A smaller input uses the
