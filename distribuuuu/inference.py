@@ -25,7 +25,7 @@ from distribuuuu.config import (
     parse_yaml,
     resolve_data_name,
 )
-from distribuuuu.models import build_model, is_model
+from distribuuuu.models import TIMM_EXTRA, build_model, is_model, timm_installed
 from distribuuuu.state import holds_optimizer, model_weights
 
 KIND_TRAINING_CHECKPOINT = "training checkpoint"
@@ -154,7 +154,8 @@ def inference_cfg(
         merge_from_file(cfg, cfg_file)
     merge_from_list(cfg, list(opts or []))
     if not is_model(cfg.MODEL.ARCH):
-        raise ConfigError(f"MODEL.ARCH {cfg.MODEL.ARCH!r} is not a known model")
+        why = "" if timm_installed() else f" (timm is not installed: {TIMM_EXTRA})"
+        raise ConfigError(f"MODEL.ARCH {cfg.MODEL.ARCH!r} is not a known model{why}")
     cfg.DATA.NAME = resolve_data_name(cfg)
     cfg.freeze()
     return cfg

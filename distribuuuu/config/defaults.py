@@ -22,8 +22,9 @@ _C = CfgNode()
 _C.MODEL = CfgNode()
 # Architecture name from the registry: every torchvision classification model by
 # its torchvision name (resnet18, efficientnet_b0, ...), the small ResNets for
-# 28-32 px inputs (resnet8, resnet20, ..., resnet18_cifar), and timm models as
-# "timm/<name>" when timm is installed
+# 28-32 px inputs (resnet8, resnet20, ..., resnet18_cifar), botnet50, and timm
+# models when timm is installed: "timm/<name>", or a plain name that neither we
+# nor torchvision have (regnetx_160)
 _C.MODEL.ARCH = "resnet20"
 # Number of output classes (size of the classifier head)
 _C.MODEL.NUM_CLASSES = 10

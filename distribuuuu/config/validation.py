@@ -135,12 +135,31 @@ def _choice(key: str, value: Any, choices: tuple | list) -> None:
     raise ConfigError(f"{key} {value!r} is invalid: choose one of {shown}{hint}")
 
 
+def _check_arch(key: str, arch: str) -> None:
+    """A name the registry builds; without timm, a name that may be timm's
+    names the extra that installs it."""
+    from distribuuuu.models import (  # imported lazily
+        TIMM_EXTRA,
+        is_model,
+        list_models,
+        timm_installed,
+    )
+
+    if is_model(arch):
+        return
+    if not timm_installed():
+        close = difflib.get_close_matches(arch, list_models(), n=1)
+        hint = f"; or did you mean {close[0]}?" if close else ""
+        raise ConfigError(
+            f"{key} {arch!r} is not a distribuuuu or torchvision model, and timm, "
+            f"which may have it, is not installed: {TIMM_EXTRA}{hint}"
+        )
+    _choice(key, arch, list_models())
+
+
 def _validate_values(cfg: CfgNode) -> None:
     """Each key alone: a known MODEL.ARCH, the choices, the ranges."""
-    from distribuuuu.models import is_model, list_models  # imported lazily
-
-    if not is_model(cfg.MODEL.ARCH):
-        _choice("MODEL.ARCH", cfg.MODEL.ARCH, list_models())
+    _check_arch("MODEL.ARCH", cfg.MODEL.ARCH)
     for key, choices in CHOICES.items():
         _choice(key, get_key(cfg, key), choices)
     for key, (test, allowed) in _RANGES.items():
@@ -335,11 +354,8 @@ def _validate_distill(cfg: CfgNode) -> None:
     distill = cfg.TRAIN.DISTILL
     if not (distill.ARCH or distill.WEIGHTS):
         return
-    from distribuuuu.models import is_model  # imported lazily
-
     _check(bool(distill.ARCH), "TRAIN.DISTILL.ARCH", "", "must name the teacher")
-    if not is_model(distill.ARCH):
-        raise ConfigError(f"TRAIN.DISTILL.ARCH {distill.ARCH!r} is not a model")
+    _check_arch("TRAIN.DISTILL.ARCH", distill.ARCH)
     if not os.path.isfile(distill.WEIGHTS):
         raise ConfigError(
             f"TRAIN.DISTILL.WEIGHTS: no such file {distill.WEIGHTS!r} (the "
@@ -356,7 +372,8 @@ def _validate_distill(cfg: CfgNode) -> None:
 
 def _validate_model(cfg: CfgNode) -> None:
     """MODEL: FINETUNE has WEIGHTS to start from, MODEL.WEIGHTS is a file,
-    ZERO_INIT_RESIDUAL is not asked of pretrained weights."""
+    ZERO_INIT_RESIDUAL is not asked of pretrained weights, botnet50's input
+    is no larger than its position encodings."""
     _check(
         not cfg.MODEL.FINETUNE or bool(cfg.MODEL.WEIGHTS),
         "MODEL.FINETUNE",
@@ -372,6 +389,16 @@ def _validate_model(cfg: CfgNode) -> None:
     )
     if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
         raise ConfigError(f"MODEL.WEIGHTS: no such file {cfg.MODEL.WEIGHTS}")
+    if cfg.MODEL.ARCH == "botnet50":
+        from distribuuuu.models.botnet import MAX_INPUT_SIZE
+
+        size = max(cfg.TRAIN.IM_SIZE, cfg.TEST.CROP_SIZE)
+        _check(
+            size <= MAX_INPUT_SIZE,
+            "TRAIN.IM_SIZE" if size == cfg.TRAIN.IM_SIZE else "TEST.CROP_SIZE",
+            size,
+            f"botnet50's position encodings cover inputs up to {MAX_INPUT_SIZE} px",
+        )
 
 
 def _check_data_paths(cfg: CfgNode, name: str) -> None:

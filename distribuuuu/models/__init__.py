@@ -1,8 +1,11 @@
 """The model registry: an architecture name -> a constructor.
 
-Names: the small ResNets of :mod:`distribuuuu.models.small`, every torchvision
-classification model by its torchvision name, and ``timm/<name>`` for timm
-models when timm is installed.
+Names: the models defined here (the small ResNets of
+:mod:`distribuuuu.models.small`, LeNet-5, a small ViT, BoTNet-50), every
+torchvision classification model by its torchvision name, and timm's models
+when timm is installed: as ``timm/<name>``, or by their plain name when
+neither we nor torchvision have it (``regnetx_160``), as the original
+Distribuuuu looked names up.
 """
 
 from __future__ import annotations
@@ -15,12 +18,12 @@ from collections.abc import Callable
 
 from torch import nn
 
-from distribuuuu.models import regularize, small, vit
+from distribuuuu.models import botnet, regularize, small, vit
 
 logger = logging.getLogger(__name__)
 
 # name -> constructor(num_classes) of the models defined here.
-_SMALL: dict[str, Callable[[int], nn.Module]] = {
+_OWN: dict[str, Callable[[int], nn.Module]] = {
     **{
         f"resnet{d}": functools.partial(small.cifar_resnet, d)
         for d in (8, 14, 20, 32, 44, 56, 110)
@@ -28,8 +31,9 @@ _SMALL: dict[str, Callable[[int], nn.Module]] = {
     "resnet18_cifar": small.resnet18_cifar,
     "lenet5": small.LeNet5,
     "vit_tiny_patch4": vit.vit_tiny_patch4,
+    "botnet50": botnet.botnet50,
 }
-TIMM_PREFIX = regularize.TIMM_PREFIX
+TIMM_PREFIX = "timm/"
 # The repeated blocks of the common timm families, by module of timm.models, as
 # class names: the classes come and go between timm releases, so a missing one
 # is skipped.  CondConvResidual subclasses InvertedResidual; DeiT builds
@@ -81,18 +85,45 @@ def _torchvision_names() -> tuple[str, ...]:
 
 def list_models() -> list[str]:
     """Every name the registry builds (timm models not listed)."""
-    return sorted(_SMALL) + sorted(_torchvision_names())
+    return sorted(_OWN) + sorted(_torchvision_names())
+
+
+TIMM_EXTRA = "pip install 'distribuuuu[timm]'"
+
+
+def timm_installed() -> bool:
+    """True when timm can be imported."""
+    try:
+        import timm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def model_library(name: str) -> str | None:
+    """Which library builds ``name``: ``distribuuuu``, ``torchvision`` or
+    ``timm`` (None: none of them, or timm's but timm is not installed).
+
+    A plain name is looked up here, then in torchvision, then in timm, so a
+    name both libraries have (``resnet50``) is torchvision's; ``timm/<name>``
+    is always timm's.
+    """
+    timm_name = name.removeprefix(TIMM_PREFIX)
+    if name == timm_name:
+        if name in _OWN:
+            return "distribuuuu"
+        if name in _torchvision_names():
+            return "torchvision"
+    if not timm_installed():
+        return None
+    import timm
+
+    return "timm" if timm.is_model(timm_name) else None
 
 
 def is_model(name: str) -> bool:
     """True when :func:`build_model` knows ``name``."""
-    if name.startswith(TIMM_PREFIX):
-        try:
-            import timm
-        except ImportError:
-            return False
-        return timm.is_model(name[len(TIMM_PREFIX) :])
-    return name in _SMALL or name in _torchvision_names()
+    return model_library(name) is not None
 
 
 def build_model(
@@ -104,15 +135,16 @@ def build_model(
     another size is left freshly initialised.  ``options`` go to the
     constructor (see :func:`model_options`).
     """
-    if name in _SMALL:
+    library = model_library(name)
+    if library == "distribuuuu":
         if pretrained:
             raise ValueError(f"{name} has no pretrained weights")
-        return _SMALL[name](num_classes)
-    if name.startswith(TIMM_PREFIX):
+        return _OWN[name](num_classes)
+    if library == "timm":
         import timm
 
         return timm.create_model(
-            name[len(TIMM_PREFIX) :],
+            name.removeprefix(TIMM_PREFIX),
             pretrained=pretrained,
             num_classes=num_classes,
             **options,
@@ -149,7 +181,10 @@ _OPTION_KEYS = {
 def model_options(arch: str, model_cfg) -> dict:
     """The constructor arguments of MODEL.DROPOUT and MODEL.DROP_PATH for
     ``arch`` (ValueError for a small model, which has no such layers)."""
-    return regularize.constructor_options(arch, model_cfg, arch in _SMALL)
+    library = model_library(arch)
+    return regularize.constructor_options(
+        arch, model_cfg, small=library == "distribuuuu", timm=library == "timm"
+    )
 
 
 def build_configured(model_cfg, num_classes: int | None = None) -> nn.Module:
@@ -163,7 +198,9 @@ def build_configured(model_cfg, num_classes: int | None = None) -> nn.Module:
         named = [key for arg, key in _OPTION_KEYS.items() if f"'{arg}'" in str(error)]
         key = named[0] if named else "DROPOUT or MODEL.DROP_PATH"
         raise ValueError(f"MODEL.{key}: {arch} has no such layers to set") from None
-    done = regularize.regularize(model, arch, model_cfg)
+    library = model_library(arch)
+    logger.info("model: %s built by %s", arch, library)
+    done = regularize.regularize(model, arch, model_cfg, timm=library == "timm")
     if done:
         logger.info("model: %s", ", ".join(done))
     return model
@@ -233,6 +270,7 @@ def _block_types() -> tuple[type, ...]:
     return (
         small.BasicBlock,
         vit.Block,
+        botnet.AttentionBottleneck,
         resnet.BasicBlock,
         resnet.Bottleneck,
         efficientnet.MBConv,

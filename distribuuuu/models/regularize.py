@@ -17,8 +17,6 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from yacs.config import CfgNode
 
-TIMM_PREFIX = "timm/"
-
 
 def _is_torchvision_vit(arch: str, model: nn.Module | None = None) -> bool:
     from torchvision.models import VisionTransformer
@@ -28,14 +26,14 @@ def _is_torchvision_vit(arch: str, model: nn.Module | None = None) -> bool:
     return arch.startswith("vit_")
 
 
-def constructor_options(arch: str, model_cfg: CfgNode, small: bool) -> dict:
+def constructor_options(arch: str, model_cfg: CfgNode, small: bool, timm: bool) -> dict:
     """The constructor arguments that MODEL.DROPOUT and MODEL.DROP_PATH give
-    ``arch`` (a negative value keeps the model's own)."""
+    ``arch`` (a negative value keeps the model's own); ``small``: one of ours,
+    which has no such layers; ``timm``: built by timm."""
     dropout, drop_path = model_cfg.DROPOUT, model_cfg.DROP_PATH
     for key, value in (("DROPOUT", dropout), ("DROP_PATH", drop_path)):
         if small and value >= 0:
             raise ValueError(f"MODEL.{key}: {arch} has no such layers to set")
-    timm = arch.startswith(TIMM_PREFIX)
     if dropout >= 0 and not timm and _is_torchvision_vit(arch):
         raise ValueError(
             f"MODEL.DROPOUT: {arch} has no classifier dropout (torchvision's "
@@ -70,14 +68,17 @@ def _has_drop_path(model: nn.Module) -> bool:
     )
 
 
-def regularize(model: nn.Module, arch: str, model_cfg: CfgNode) -> list[str]:
+def regularize(
+    model: nn.Module, arch: str, model_cfg: CfgNode, timm: bool = False
+) -> list[str]:
     """Set what the constructor could not on the built ``model``, check that
-    every key asked for found its layers; what was set, for the log."""
+    every key asked for found its layers; what was set, for the log
+    (``timm``: built by timm)."""
     done = []
     if model_cfg.DROP_PATH >= 0:
         if _is_torchvision_vit(arch, model):
             _vit_drop_path(model, model_cfg.DROP_PATH)
-        timm_default = arch.startswith(TIMM_PREFIX) and model_cfg.DROP_PATH == 0
+        timm_default = timm and model_cfg.DROP_PATH == 0
         if not (_has_drop_path(model) or timm_default):
             raise ValueError(f"MODEL.DROP_PATH: {arch} has no stochastic depth")
         done.append(f"drop path {model_cfg.DROP_PATH:g}")
