@@ -18,6 +18,7 @@ from functools import partial
 import torch
 from torch import nn
 from torchvision.transforms import v2
+from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
 from distribuuuu import onnx_model
@@ -77,7 +78,9 @@ def write_exported_program(model: nn.Module, path: str, example: torch.Tensor):
     return torch.export.load(path).module()
 
 
-def validation_batches(cfg, sizes: tuple[int, ...]) -> tuple[list, str]:
+def validation_batches(
+    cfg: CfgNode, sizes: tuple[int, ...]
+) -> tuple[list[torch.Tensor], str]:
     """Batches of ``sizes`` normalised validation images of cfg's data set,
     spread evenly over it, and what they are; random images (and why) when
     the data set cannot be read here.  Nothing is downloaded."""
@@ -103,7 +106,9 @@ def validation_batches(cfg, sizes: tuple[int, ...]) -> tuple[list, str]:
     return list(images.split(list(sizes))), source
 
 
-def write_onnx(model: nn.Module, cfg, proto, path: str, atol: float):
+def write_onnx(
+    model: nn.Module, cfg: CfgNode, proto, path: str, atol: float
+) -> tuple[str, str, float, str]:
     """Write the exported ONNX model, check it with ONNX Runtime on validation
     images; return ``("ONNX", path, max difference, what was compared)``."""
     onnx_model.write_model(proto, path)

@@ -38,7 +38,7 @@ ATOL = 1e-4
 INSTALL_HINT = "pip install 'distribuuuu[onnx]'"
 _PREFIX = "distribuuuu."
 # Bounds on what a file's metadata may claim (it is untrusted).
-_MAX_VALUE_CHARS = 1 << 20
+_MAX_VALUE_CHARS = 16 << 20
 _MAX_CLASSES, _MAX_NAME_CHARS = 100_000, 1_000
 _MAX_SIZE = 8192
 _DATA_NAMES = ("mnist5k", "cifar10", "cifar100", "imagefolder", "synthetic")
@@ -126,7 +126,7 @@ class OnnxMetadata:
             reader.triple("std", low=1e-6),
         )
 
-    def test_cfg(self) -> CfgNode:
+    def eval_cfg(self) -> CfgNode:
         """A cfg whose evaluation transform and image reader are this file's."""
         cfg = get_cfg()
         cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES = self.arch, len(self.classes)
@@ -137,10 +137,17 @@ class OnnxMetadata:
         cfg.freeze()
         return cfg
 
-    def test_transform(self):
+    def eval_transform(self):
         """The evaluation transform of one image, normalised with mean and std."""
         normalize = ToNormalizedFloat(self.mean, self.std)
-        return build_test_transform(self.test_cfg(), normalize)
+        return build_test_transform(self.eval_cfg(), normalize)
+
+
+def _is_name(value: object) -> bool:
+    """A string a terminal shows as it is: printable, at most a line long."""
+    return (
+        isinstance(value, str) and len(value) <= _MAX_NAME_CHARS and value.isprintable()
+    )
 
 
 class _PropsReader:
@@ -171,7 +178,7 @@ class _PropsReader:
 
     def name(self, key: str) -> str:
         value = self.text(key)
-        if not 0 < len(value) <= _MAX_NAME_CHARS or not value.isprintable():
+        if not (value and _is_name(value)):
             raise self.fail(key, f"{value[:40]!r} is not a short printable name")
         return value
 
@@ -183,7 +190,7 @@ class _PropsReader:
 
     def size(self, key: str) -> int:
         value = self.text(key)
-        if not (value.isdigit() and 0 < int(value) <= _MAX_SIZE):
+        if not (value.isascii() and value.isdigit() and 0 < int(value) <= _MAX_SIZE):
             raise self.fail(key, f"{value[:40]!r} is not a size of 1-{_MAX_SIZE} px")
         return int(value)
 
@@ -202,11 +209,11 @@ class _PropsReader:
         if not (
             isinstance(value, list)
             and 0 < len(value) <= _MAX_CLASSES
-            and all(isinstance(v, str) and len(v) <= _MAX_NAME_CHARS for v in value)
+            and all(_is_name(v) for v in value)
         ):
             raise self.fail(
                 "classes",
-                f"is not a list of 1-{_MAX_CLASSES} names of at most "
+                f"is not a list of 1-{_MAX_CLASSES} printable names of at most "
                 f"{_MAX_NAME_CHARS} characters",
             )
         return value
@@ -319,6 +326,7 @@ def _check_signature(session, metadata: OnnxMetadata, path: str) -> None:
     if not (
         len(inputs) == 1
         and inputs[0].name == INPUT_NAME
+        and inputs[0].type == "tensor(float)"
         and inputs[0].shape[1:] == [3, size, size]
         and len(outputs) == 1
         and outputs[0].shape[1:] == [classes]

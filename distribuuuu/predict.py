@@ -104,8 +104,8 @@ def classify_images_onnx(
     Runtime on the CPU; its classes and transforms come from its metadata."""
     session, metadata = load_session(path)
     paths = find_images(inputs)
-    read = image_reader(metadata.test_cfg())
-    transform = metadata.test_transform()
+    read = image_reader(metadata.eval_cfg())
+    transform = metadata.eval_transform()
 
     def classify(images: torch.Tensor) -> torch.Tensor:
         return run_session(session, images)

@@ -128,6 +128,43 @@ def test_export_stores_what_predict_needs(exported):
     assert given.shape == ["batch", 3, size, size]
 
 
+@pytest.mark.slow
+def test_predict_uses_the_saved_pipeline(tmp_path: Path, capsys):
+    """An ImageNet-style run (resize 36, crop 32, bicubic, PIL decoder) whose
+    validation folder is not here: checked on random images, and predict.py
+    --onnx transforms a photo as predict.py --weights does."""
+    torch.manual_seed(0)
+    weights, path = tmp_path / "w.pth", tmp_path / "m.onnx"
+    torch.save(models.build_model("resnet8", 4).state_dict(), weights)
+    opts = ["MODEL.ARCH", "resnet8", "MODEL.NUM_CLASSES", "4"]
+    opts += ["DATA.NAME", "imagefolder", "TEST.DATASET", str(tmp_path / "gone")]
+    opts += ["TRAIN.IM_SIZE", "32", "TEST.IM_SIZE", "36"]
+    opts += ["TEST.INTERPOLATION", "bicubic", "DATA.DECODER", "pil"]
+    argv = ["--weights", str(weights), "--out", str(tmp_path / "o.pth")]
+    assert export_tool.main([*argv, "--onnx", str(path), *opts]) == 0
+    printed = capsys.readouterr().out
+    assert "on 64 random images (the validation set is not readable here" in printed
+
+    photo = tmp_path / "photo.png"
+    pixels = torch.randint(0, 256, (45, 60, 3), dtype=torch.uint8).numpy()
+    Image.fromarray(pixels, mode="RGB").save(photo)
+    args = ["--json", "--topk", "4", str(photo)]
+    assert predict.main(["--onnx", str(path), *args]) == 0
+    (with_onnx,) = capsys.readouterr().out.splitlines()
+    assert (
+        predict.main(["--weights", str(weights), "--device", "cpu", *args, *opts]) == 0
+    )
+    (with_torch,) = capsys.readouterr().out.splitlines()
+    onnx_top, torch_top = json.loads(with_onnx)["top"], json.loads(with_torch)["top"]
+    assert [e["class"] for e in onnx_top] == [e["class"] for e in torch_top]
+    for onnx_entry, torch_entry in zip(onnx_top, torch_top):
+        assert abs(onnx_entry["prob"] - torch_entry["prob"]) <= 1e-5
+    _, metadata = onnx_model.load_session(str(path))
+    assert (metadata.resize, metadata.input_size) == (36, 32)
+    assert (metadata.interpolation, metadata.decoder) == ("bicubic", "pil")
+    assert metadata.mean == (0.485, 0.456, 0.406)  # ImageNet's
+
+
 # --------------------------------------------------------------------------- #
 # Bad input
 # --------------------------------------------------------------------------- #

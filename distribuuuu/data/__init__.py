@@ -140,7 +140,8 @@ def build_test_transform(
     """
     name = resolve_data_name(cfg)
     cpu = torch.device("cpu")
-    normalize = normalize or build_normalizer(cfg, cpu)
+    if normalize is None:
+        normalize = build_normalizer(cfg, cpu)
     steps = [_transform(cfg, name, train=False), normalize]
     if name != "imagefolder":
         size = eval_sizes(cfg)[1]
