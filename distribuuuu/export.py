@@ -133,6 +133,28 @@ def max_difference(expected: torch.Tensor, module: Callable, batch: torch.Tensor
         return (module(batch) - expected).abs().max().item()
 
 
+def write_and_compare(
+    writers: list[tuple[str, str | None, Callable]],
+    expected: torch.Tensor,
+    check: torch.Tensor,
+) -> list[tuple[str, str, float, str]]:
+    """Call each ``(kind, path, write)`` that has a path; compare what ``write``
+    returns with ``expected`` on ``check``; raise MismatchError above ATOL."""
+    written = []
+    for kind, path, write in writers:
+        if not path:
+            continue
+        difference = max_difference(expected, write(path), check)
+        if not difference <= ATOL:  # also catches NaN
+            raise MismatchError(
+                f"{kind} {path}: outputs differ from the model's by up to "
+                f"{difference:.3g} (allowed {ATOL:g})"
+            )
+        checked = f" on a random batch of {len(check)}"
+        written.append((kind, path, difference, checked))
+    return written
+
+
 def export_weights(
     weights: str,
     out: str,
@@ -186,17 +208,7 @@ def export_weights(
             partial(write_exported_program, model, example=example),
         ),
     ]
-    written = []
-    for kind, path, write in writers:
-        if not path:
-            continue
-        difference = max_difference(expected, write(path), check)
-        if not difference <= ATOL:  # also catches NaN
-            raise MismatchError(
-                f"{kind} {path}: outputs differ from the model's by up to "
-                f"{difference:.3g} (allowed {ATOL:g})"
-            )
-        written.append((kind, path, difference, f" on a random batch of {CHECK_BATCH}"))
+    written = write_and_compare(writers, expected, check)
     if onnx:
         written.append(write_onnx(model, cfg, proto, onnx, onnx_atol))
     return written

@@ -333,11 +333,16 @@ def test_predict_errors(trained: Path, digit_files: dict, tmp_path: Path, capsys
 # --------------------------------------------------------------------------- #
 
 
+def skip_without_onnx() -> None:
+    """Skip the test where the packages of the ``onnx`` extra are missing."""
+    for name in ("onnx", "onnxscript", "onnxruntime"):
+        pytest.importorskip(name)
+
+
 @pytest.fixture(scope="module")
 def onnx_export(trained: Path, tmp_path_factory) -> tuple[Path, str]:
     """The trained model exported to ONNX by export.py, and what it printed."""
-    for name in ("onnx", "onnxscript", "onnxruntime"):  # the onnx extra
-        pytest.importorskip(name)
+    skip_without_onnx()
     folder = tmp_path_factory.mktemp("onnx")
     path = folder / "r8.onnx"
     argv = ["--weights", str(trained / "best.pth"), "--out", str(folder / "r8.pth")]
@@ -381,7 +386,8 @@ def test_predict_onnx_matches_pytorch(onnx_export, trained, digit_files, capsys)
 
 
 @pytest.mark.slow
-def test_onnx_export_fails_above_the_tolerance(onnx_export, trained, tmp_path, capsys):
+def test_onnx_export_fails_above_the_tolerance(trained: Path, tmp_path, capsys):
+    skip_without_onnx()
     weights = str(trained / "best.pth")
     args = ["--weights", weights, "--out", str(tmp_path / "w.pth")]
     # float32 kernels of ONNX Runtime and PyTorch differ by some 1e-6 here

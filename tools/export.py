@@ -50,9 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--atol",
         type=float,
-        default=onnx_model.ATOL,
-        help="largest accepted difference between ONNX Runtime's logits and "
-        "PyTorch's (default %(default)g)",
+        help="with --onnx: the largest accepted difference between ONNX "
+        f"Runtime's logits and PyTorch's (default {onnx_model.ATOL:g})",
     )
     parser.add_argument("--cfg", dest="cfg_file", help="yaml config overriding W's")
     cli.add_debug_option(parser)
@@ -60,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides"
     )
     args = parser.parse_args(argv)
+    if args.atol is None:
+        args.atol = onnx_model.ATOL
+    elif not args.onnx:
+        parser.error("--atol is the tolerance of the --onnx check: give --onnx")
     if not args.atol > 0:  # also refuses NaN
         parser.error("--atol takes a number > 0")
     return args
