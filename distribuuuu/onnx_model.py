@@ -308,7 +308,7 @@ def load_session(path: str):
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in _tensors(proto.graph)):
         raise OnnxError(f"{path}: refused: it reads tensors from other files")
     props = {entry.key: entry.value for entry in proto.metadata_props}
-    del proto
+    del proto  # ONNX Runtime parses the bytes again: one copy at a time
     metadata = OnnxMetadata.from_props(props, path)
     try:
         session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
@@ -329,6 +329,8 @@ def _check_signature(session, metadata: OnnxMetadata, path: str) -> None:
         and inputs[0].type == "tensor(float)"
         and inputs[0].shape[1:] == [3, size, size]
         and len(outputs) == 1
+        and outputs[0].name == OUTPUT_NAME
+        and outputs[0].type == "tensor(float)"
         and outputs[0].shape[1:] == [classes]
     ):
         raise OnnxError(
