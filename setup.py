@@ -27,11 +27,22 @@ setup(
         "mlxtend",
     ],
     extras_require={
-        # timm and DeepSpeed too, so that the tests of their parts run
-        # instead of skipping.
-        "dev": ["pytest>=7", "pytest-xdist>=3", "ruff==0.17.6", "timm", "deepspeed"],
+        # timm, DeepSpeed and the ONNX packages too, so that the tests of
+        # their parts run instead of skipping.
+        "dev": [
+            "pytest>=7",
+            "pytest-xdist>=3",
+            "ruff==0.17.6",
+            "timm",
+            "deepspeed",
+            "onnx",
+            "onnxscript",
+            "onnxruntime",
+        ],
         "timm": ["timm"],
         "deepspeed": ["deepspeed"],
+        # tools/export.py --onnx (torch's exporter) and tools/predict.py --onnx.
+        "onnx": ["onnx", "onnxscript", "onnxruntime"],
     },
     entry_points={
         "console_scripts": [

@@ -281,8 +281,9 @@ def checkpoint_tool_rules() -> tuple[ErrorExit, ...]:
     from distribuuuu.data import DataError
     from distribuuuu.export import MismatchError
     from distribuuuu.inference import CheckpointError
+    from distribuuuu.onnx_model import OnnxError
 
-    unusable = (CheckpointError, ConfigError, DataError)
+    unusable = (CheckpointError, ConfigError, DataError, OnnxError)
     return (  # not run under a launcher: every process reports
         ErrorExit(unusable, EXIT_UNUSABLE_INPUT, plain_message, every_rank=True),
         ErrorExit(MismatchError, EXIT_FAILED, plain_message, every_rank=True),

@@ -1,15 +1,17 @@
 """Classify image files with trained weights: the top-k classes of each image.
 
 The model, its classes and the evaluation transforms come from the cfg saved
-in the weights file (see :mod:`distribuuuu.inference`); folders are searched
-recursively for image files.  ``tools/predict.py`` is the command line.
+in the weights file (see :mod:`distribuuuu.inference`), or from the metadata
+of an exported ONNX model run by ONNX Runtime (see
+:mod:`distribuuuu.onnx_model`); folders are searched recursively for image
+files.  ``tools/predict.py`` is the command line.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -21,6 +23,7 @@ from distribuuuu.data import (
     image_reader,
 )
 from distribuuuu.inference import load_for_inference
+from distribuuuu.onnx_model import load_session, run_session
 
 
 def find_images(inputs: list[str]) -> list[str]:
@@ -45,7 +48,9 @@ def batches(paths: list[str], size: int) -> Iterator[list[str]]:
 
 
 def top_classes(
-    model: nn.Module, images: torch.Tensor, topk: int
+    model: nn.Module | Callable[[torch.Tensor], torch.Tensor],
+    images: torch.Tensor,
+    topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k probabilities and labels of a batch of transformed images."""
     with torch.no_grad():
@@ -85,8 +90,43 @@ def classify_images(
     target = torch.device(device)
     model.to(target)
     read, transform = image_reader(cfg), build_test_transform(cfg)
+
+    def classify(images: torch.Tensor) -> torch.Tensor:
+        return model(images.to(target))
+
+    yield from _classify(classify, read, transform, classes, paths, topk, batch_size)
+
+
+def classify_images_onnx(
+    path: str, inputs: list[str], topk: int = 3, batch_size: int = 64
+) -> Iterator[tuple[str, list[tuple[str, float]]]]:
+    """As :func:`classify_images`, with an exported ONNX model run by ONNX
+    Runtime on the CPU; its classes and transforms come from its metadata."""
+    session, metadata = load_session(path)
+    paths = find_images(inputs)
+    read = image_reader(metadata.eval_cfg())
+    transform = metadata.eval_transform()
+
+    def classify(images: torch.Tensor) -> torch.Tensor:
+        return run_session(session, images)
+
+    yield from _classify(
+        classify, read, transform, metadata.classes, paths, topk, batch_size
+    )
+
+
+def _classify(
+    classify: Callable[[torch.Tensor], torch.Tensor],
+    read: Callable,
+    transform: Callable,
+    classes: list[str] | tuple[str, ...],
+    paths: list[str],
+    topk: int,
+    batch_size: int,
+) -> Iterator[tuple[str, list[tuple[str, float]]]]:
+    """Read, transform and classify ``paths`` in batches; yield the top classes."""
     for chunk in batches(paths, batch_size):
         images = torch.stack([transform(read(path)) for path in chunk])
-        probabilities, labels = top_classes(model, images.to(target), topk)
+        probabilities, labels = top_classes(classify, images, topk)
         for path, probs, ids in zip(chunk, probabilities.tolist(), labels.tolist()):
             yield path, [(classes[i], p) for i, p in zip(ids, probs)]

@@ -252,3 +252,12 @@ def run_on_ranks(world: int, fn, args: tuple, out_dir: str) -> list:
         torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True)
         for r in range(world)
     ]
+
+
+def error_line(capsys) -> str:
+    """The one stderr line a tool's ``main`` printed (nothing on stdout)."""
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    assert captured.out == ""
+    return lines[0]

@@ -6,6 +6,8 @@ a user runs it, and its other cases call the tool's ``main`` in-process.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -15,7 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from helpers import FAST, REPO, assert_ok, read_metrics, run_command, train_net
+from helpers import (
+    FAST,
+    REPO,
+    assert_ok,
+    error_line,
+    read_metrics,
+    run_command,
+    train_net,
+)
 from PIL import Image
 
 from distribuuuu import export as exporting
@@ -46,15 +56,6 @@ def tool(name: str, *args: str):
     return run_command(
         [sys.executable, os.path.join(REPO, "tools", name), *args], timeout=120
     )
-
-
-def error_line(capsys) -> str:
-    """The one stderr line a tool's ``main`` printed (nothing on stdout)."""
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
-    assert captured.out == ""
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +326,74 @@ def test_predict_errors(trained: Path, digit_files: dict, tmp_path: Path, capsys
     for argv, words in cases:
         assert predict.main(argv) == 2, argv
         assert words in error_line(capsys)
+
+
+# --------------------------------------------------------------------------- #
+# ONNX: export.py --onnx, predict.py --onnx (more in test_onnx.py)
+# --------------------------------------------------------------------------- #
+
+
+def skip_without_onnx() -> None:
+    """Skip the test where the packages of the ``onnx`` extra are missing."""
+    for name in ("onnx", "onnxscript", "onnxruntime"):
+        pytest.importorskip(name)
+
+
+@pytest.fixture(scope="module")
+def onnx_export(trained: Path, tmp_path_factory) -> tuple[Path, str]:
+    """The trained model exported to ONNX by export.py, and what it printed."""
+    skip_without_onnx()
+    folder = tmp_path_factory.mktemp("onnx")
+    path = folder / "r8.onnx"
+    argv = ["--weights", str(trained / "best.pth"), "--out", str(folder / "r8.pth")]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert export_tool.main([*argv, "--onnx", str(path)]) == 0
+    return path, printed.getvalue()
+
+
+@pytest.mark.slow
+def test_onnx_export_is_checked_on_validation_digits(onnx_export):
+    path, printed = onnx_export
+    assert len(printed.splitlines()) == 2  # the state_dict's line, then ONNX's
+    found = re.search(
+        rf"^wrote {re.escape(str(path))} \(ONNX\); max abs difference (\S+) on 64 "
+        r"validation images of mnist5k in batches of 32, 31, 1; top-1 agreement "
+        r"64/64$",
+        printed,
+        re.M,
+    )
+    assert found and float(found.group(1)) <= 1e-4, printed
+
+
+@pytest.mark.slow
+def test_predict_onnx_matches_pytorch(onnx_export, trained, digit_files, capsys):
+    folder = os.path.commonpath(list(digit_files))
+    args = ["--json", "--topk", "10", folder]
+    assert predict.main(["--onnx", str(onnx_export[0]), *args]) == 0
+    with_onnx = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    weights = str(trained / "best.pth")
+    assert predict.main(["--weights", weights, "--device", "cpu", *args]) == 0
+    with_torch = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["path"] for r in with_onnx] == sorted(digit_files)
+    for onnx_record, torch_record in zip(with_onnx, with_torch):
+        label, probabilities = digit_files[onnx_record["path"]]
+        classes = [entry["class"] for entry in onnx_record["top"]]
+        assert classes[0] == str(label)
+        assert classes == [entry["class"] for entry in torch_record["top"]]
+        for entry in onnx_record["top"]:
+            assert abs(entry["prob"] - probabilities[int(entry["class"])]) <= 1e-4
+
+
+@pytest.mark.slow
+def test_onnx_export_fails_above_the_tolerance(trained: Path, tmp_path, capsys):
+    skip_without_onnx()
+    weights = str(trained / "best.pth")
+    args = ["--weights", weights, "--out", str(tmp_path / "w.pth")]
+    # float32 kernels of ONNX Runtime and PyTorch differ by some 1e-6 here
+    path = tmp_path / "w.onnx"
+    assert export_tool.main([*args, "--onnx", str(path), "--atol", "1e-9"]) == 1
+    line = error_line(capsys)
+    assert f"ONNX {path}: ONNX Runtime's outputs differ from PyTorch's" in line
+    assert "(allowed 1e-09) on 64 validation images of mnist5k" in line
+    assert re.search(r"by up to [\d.]+e-0[5-7] .* top-1 agreement 64/64$", line)

@@ -1,15 +1,20 @@
 #!/usr/bin/env python3
-"""Export trained weights: a plain state_dict, TorchScript, a torch.export program.
+"""Export trained weights: a plain state_dict, TorchScript, a torch.export
+program, an ONNX model.
 
     python tools/export.py --weights W --out FILE [--torchscript FILE]
-        [--torch-export FILE] [--cfg C] [KEY VALUE ...]
+        [--torch-export FILE] [--onnx FILE [--atol A]] [--cfg C] [KEY VALUE ...]
 
 The architecture, NUM_CLASSES and TRAIN.IM_SIZE come from the cfg saved in W,
 overridden by --cfg and KEY VALUE.  Every file is written atomically, then
 loaded again and run on a random batch of another size than the one traced;
-its outputs must match the eager model within 1e-5.  Exit codes: 0 done;
-1 an export failed or its outputs differ; 2 unusable weights or config; each
-error is one ``error:`` line on stderr.
+its outputs must match the eager model within 1e-5.  The ONNX model (torch's
+dynamo-based exporter, dynamic batch size; class names and input pipeline in
+its metadata) is run by ONNX Runtime on the CPU on 64 validation images of
+the run's data set in batches of 32, 31 and 1; its logits must match within
+--atol (1e-4).  Exit codes: 0 done; 1 an export failed or its outputs differ;
+2 unusable weights or config, an operator ONNX export does not support, or
+the onnx packages missing; each error is one ``error:`` line on stderr.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from distribuuuu import cli
+from distribuuuu import cli, onnx_model
 from distribuuuu.export import export_weights
 
 
@@ -26,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="export.py",
         description="Export a checkpoint's model as a plain state_dict and, "
-        "optionally, TorchScript and torch.export files.",
+        "optionally, TorchScript, torch.export and ONNX files.",
     )
     parser.add_argument("--weights", required=True, help="checkpoint or weights file")
     parser.add_argument("--out", required=True, help="the state_dict file to write")
@@ -36,12 +41,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FILE",
         help="also write a torch.export program (.pt2) with a dynamic batch size",
     )
+    parser.add_argument(
+        "--onnx",
+        metavar="FILE",
+        help="also write an ONNX model (dynamic batch size), checked with "
+        "ONNX Runtime on validation images",
+    )
+    parser.add_argument(
+        "--atol",
+        type=float,
+        help="with --onnx: the largest accepted difference between ONNX "
+        f"Runtime's logits and PyTorch's (default {onnx_model.ATOL:g})",
+    )
     parser.add_argument("--cfg", dest="cfg_file", help="yaml config overriding W's")
     cli.add_debug_option(parser)
     parser.add_argument(
         "opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.atol is None:
+        args.atol = onnx_model.ATOL
+    elif not args.onnx:
+        parser.error("--atol is the tolerance of the --onnx check: give --onnx")
+    if not args.atol > 0:  # also refuses NaN
+        parser.error("--atol takes a number > 0")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,9 +81,13 @@ def main(argv: list[str] | None = None) -> int:
             args.torch_export,
             args.cfg_file,
             args.opts,
+            args.onnx,
+            args.atol,
         )
-        for kind, path, difference in written:
-            print(f"wrote {path} ({kind}); max abs difference {difference:.2e}")
+        for kind, path, difference, checked in written:
+            print(
+                f"wrote {path} ({kind}); max abs difference {difference:.2e}{checked}"
+            )
 
     return cli.run_tool(export_and_report, args.debug, cli.checkpoint_tool_rules())
 

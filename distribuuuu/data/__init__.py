@@ -125,9 +125,12 @@ def image_reader(cfg: CfgNode) -> Callable[[str], torch.Tensor | Image.Image]:
     return ds.decode_image_file if cfg.DATA.DECODER == "tensor" else ds.load_image
 
 
-def build_test_transform(cfg: CfgNode) -> v2.Compose:
+def build_test_transform(
+    cfg: CfgNode, normalize: ToNormalizedFloat | None = None
+) -> v2.Compose:
     """The whole evaluation input pipeline of cfg's data set for one image of
-    any size as :func:`image_reader` gives it, normalisation included.
+    any size as :func:`image_reader` gives it, normalisation included (by
+    ``normalize`` when given: an exported model's mean and std).
 
     For the data sets served as small tensors (digits, CIFAR, synthetic) the
     image is first resized and centre-cropped to the evaluation crop
@@ -137,7 +140,9 @@ def build_test_transform(cfg: CfgNode) -> v2.Compose:
     """
     name = resolve_data_name(cfg)
     cpu = torch.device("cpu")
-    steps = [_transform(cfg, name, train=False), build_normalizer(cfg, cpu)]
+    if normalize is None:
+        normalize = build_normalizer(cfg, cpu)
+    steps = [_transform(cfg, name, train=False), normalize]
     if name != "imagefolder":
         size = eval_sizes(cfg)[1]
         fit = [v2.PILToTensor(), v2.Resize(size, antialias=True), v2.CenterCrop(size)]

@@ -49,6 +49,7 @@ class ToNormalizedFloat(torch.nn.Module):
 
     def __init__(self, mean: tuple, std: tuple, channels_last: bool = False):
         super().__init__()
+        self.mean, self.std = tuple(mean), tuple(std)
         shift = torch.tensor(mean, dtype=torch.float32).mul(255).view(-1, 1, 1)
         scale = 1 / torch.tensor(std, dtype=torch.float32).mul(255).view(-1, 1, 1)
         self.register_buffer("shift", shift, persistent=False)
