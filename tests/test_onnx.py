@@ -182,7 +182,7 @@ def fractional_pool_net(num_classes: int) -> nn.Module:
 
 
 def test_export_names_an_unsupported_operator(tmp_path: Path, capsys, monkeypatch):
-    monkeypatch.setitem(models._SMALL, "fracpool", fractional_pool_net)
+    monkeypatch.setitem(models._OWN, "fracpool", fractional_pool_net)
     weights, out, path = tmp_path / "w.pth", tmp_path / "o.pth", tmp_path / "f.onnx"
     torch.save(fractional_pool_net(10).state_dict(), weights)
     argv = ["--weights", str(weights), "--out", str(out), "--onnx", str(path)]
