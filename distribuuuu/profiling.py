@@ -53,6 +53,14 @@ def trace_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, PROFILE_DIR, f"rank{rank}.pt.trace.json")
 
 
+def profiler_activities(device: torch.device) -> list[ProfilerActivity]:
+    """What the profiler records on ``device``: the host, and CUDA's kernels
+    and copies when it is a CUDA device."""
+    if device.type == "cuda":
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    return [ProfilerActivity.CPU]
+
+
 def plan_steps(wanted: int, steps_left: int) -> tuple[int, int, int]:
     """(skip, warm-up, recorded) steps of a profile of ``wanted`` steps in an
     epoch with ``steps_left``: recorded steps come first, then warm-up, then
@@ -83,11 +91,9 @@ class StepProfiler:
                 WARMUP_STEPS,
             )  # fmt: skip
         self.path = trace_path(cfg.OUT_DIR, rank)
-        self.cuda = device.type == "cuda"
-        activities = [ProfilerActivity.CPU]
-        if self.cuda:
-            activities.append(ProfilerActivity.CUDA)
-        else:
+        activities = profiler_activities(device)
+        self.cuda = ProfilerActivity.CUDA in activities
+        if not self.cuda:
             # Kineto logs an ERROR line when it finds no GPU; on a CPU run that
             # is noise (a user's own KINETO_LOG_LEVEL wins).
             os.environ.setdefault("KINETO_LOG_LEVEL", "5")

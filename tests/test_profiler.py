@@ -8,11 +8,19 @@ import json
 import os
 
 import pytest
-from helpers import TINY, assert_ok, read_text, refused, torchrun
+import torch
+from helpers import TINY, assert_ok, read_text, refused, torchrun, train_net
+from torch.profiler import ProfilerActivity
 
 from distribuuuu.config import load_cfg
 from distribuuuu.logger import setup_logging
-from distribuuuu.profiling import DATA_LABEL, STEP_LABEL, plan_steps, trace_path
+from distribuuuu.profiling import (
+    DATA_LABEL,
+    STEP_LABEL,
+    plan_steps,
+    profiler_activities,
+    trace_path,
+)
 from distribuuuu.trainer import train_model
 
 # TINY with 512 training images: 8 steps on each of 2 processes, room for
@@ -136,3 +144,23 @@ def test_a_short_epoch_keeps_the_profiled_steps_first():
     assert plan_steps(5, 100) == (1, 1, 5)
     assert plan_steps(5, 6) == (0, 1, 5)
     assert plan_steps(5, 4) == (0, 0, 4)
+
+
+def test_cuda_kernels_are_recorded_on_a_cuda_device_only():
+    cpu, cuda = ProfilerActivity.CPU, ProfilerActivity.CUDA
+    assert profiler_activities(torch.device("cpu")) == [cpu]
+    assert profiler_activities(torch.device("cuda", 1)) == [cpu, cuda]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_run_logs_the_top_operators_by_cuda_time(tmp_path):
+    out = str(tmp_path)
+    args = ("DEVICE", "cuda", "TRAIN.PROFILE_STEPS", "3", "OUT_DIR", out)
+    result = train_net(*TINY, *args)
+    assert_ok(result)
+    table = result.stdout.split("top 15 operators by self CUDA time:")[1]
+    assert "Self CUDA" in table
+    events = read_trace(out, 0)
+    assert len(spans(events, STEP_LABEL)) == 3
+    assert any(e.get("cat") == "kernel" for e in events)
