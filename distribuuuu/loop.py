@@ -11,6 +11,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 
 import torch
 from torch.utils.data import DataLoader
@@ -22,6 +23,7 @@ from distribuuuu.logger import end_status, live_console
 from distribuuuu.losses import Distilled, TrainLoss, build_train_loss, mix_seed
 from distribuuuu.meters import MetricSums
 from distribuuuu.precision import autocast
+from distribuuuu.profiling import StepProfiler
 from distribuuuu.run_log import TrainStatus, log_train_window
 from distribuuuu.state import TrainState
 from distribuuuu.strategies.base import MicroBatch
@@ -51,6 +53,9 @@ def train_epoch(
     loss_fn = build_train_loss(cfg.TRAIN, cfg.MODEL.NUM_CLASSES)
     status = TrainStatus(cfg, state, first, total) if live_console() else None
     batches = iter(loader)
+    profiler = StepProfiler.for_epoch(cfg, state, total - first)  # None when off
+    if profiler:
+        batches = profiler.watch(batches)
     data_time, window_start = 0.0, time.perf_counter()
     try:
         for step in range(first, total):
@@ -59,7 +64,8 @@ def train_epoch(
             )
             lr *= plan.lr_scale
             optim.set_lr(state.optimizer, lr)
-            data_time += train_step(state, batches, meter, loss_fn)
+            with profiler.step() if profiler else nullcontext():
+                data_time += train_step(state, batches, meter, loss_fn)
             progress.consumed += plan.global_batch
             state.clock.step()
             if (step + 1) % cfg.TRAIN.PRINT_FREQ == 0 or step + 1 == total:
@@ -77,6 +83,8 @@ def train_epoch(
                 return True
         return False
     finally:
+        if profiler:
+            profiler.close()
         end_status(keep=True)
 
 

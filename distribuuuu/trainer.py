@@ -82,6 +82,7 @@ def dry_run(cfg: CfgNode) -> dict:
     cfg = cfg.clone()
     cfg.defrost()
     cfg.TRAIN.PRINT_FREQ = 1  # log the single step
+    cfg.TRAIN.PROFILE_STEPS = 0  # nothing is written
     cfg.freeze()
     with run_context(cfg, log_files=False) as (info, device):
         tic = time.perf_counter()

@@ -181,6 +181,11 @@ _C.TRAIN.DATA_BOUND_SHARE = 0.2
 _C.TRAIN.SINGLE_PROCESS_IMG_PER_S = 0.0
 # k of the top-k accuracy (clipped to MODEL.NUM_CLASSES)
 _C.TRAIN.TOPK = 5
+# Profile this many optimizer steps with torch.profiler (0 = off): in the first
+# epoch of each launch, after 1 step skipped and 1 of warm-up; every rank writes
+# OUT_DIR/profile/rank{R}.pt.trace.json (Perfetto UI, tensorboard's PyTorch
+# Profiler plugin) and logs its top operators and its share of waiting for data
+_C.TRAIN.PROFILE_STEPS = 0
 # Label smoothing of the training loss (0 = off; 0.1 in Szegedy et al. 2016 and
 # DeiT); evaluation reports the plain cross-entropy
 _C.TRAIN.LABEL_SMOOTHING = 0.0

@@ -39,6 +39,7 @@ _RANGES = {
     "TRAIN.WORKERS": (lambda v: v >= 0, "must be >= 0"),
     "TRAIN.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
     "TRAIN.TOPK": (lambda v: v >= 1, "must be >= 1"),
+    "TRAIN.PROFILE_STEPS": (lambda v: v >= 0, "must be >= 0 steps (0 = off)"),
     "TRAIN.DATA_BOUND_SHARE": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
     "TRAIN.SINGLE_PROCESS_IMG_PER_S": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "TRAIN.LABEL_SMOOTHING": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
