@@ -194,14 +194,16 @@ def test_collate_keeps_every_sample_in_its_place(folder):
     batch, labels = collate_encoded(samples)
     assert isinstance(batch, EncodedBatch) and len(batch) == len(samples) == 10
     assert labels.tolist() == [label for _, label in samples]
-    lengths = [len(data) for data in batch.jpegs]
+    lengths = [len(sample.data) for sample in batch.encoded]
     assert len(set(lengths)) == len(lengths) == 6  # bytes of any length
-    assert sorted(batch.jpeg_places + batch.ready_places) == list(range(10))
+    assert sorted(batch.encoded_places + batch.ready_places) == list(range(10))
     assert batch.ready.shape == (4, 3, 48, 48) and batch.ready.dtype == torch.uint8
     images = decode_batch(batch, CPU)
     for place, (sample, _) in enumerate(samples):
         alone = decode_batch(collate_encoded([(sample, 0)])[0], CPU)[0]
         assert torch.equal(images[place], alone)
+    # Decoded in runs of one or two images (at most 15,000 pixels): the same.
+    assert torch.equal(decode_batch(batch, CPU, budget=15_000), images)
 
 
 def _model_inputs(folder, decoder: str, train: bool, device, *keys: str) -> list:

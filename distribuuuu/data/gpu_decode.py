@@ -16,6 +16,7 @@ does, from the same draws, and travel as finished uint8 pixels.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass, field
 
@@ -26,6 +27,9 @@ from torchvision.transforms import v2
 from distribuuuu.data.datasets import DataError, decode_image_file, max_image_pixels
 from distribuuuu.data.transforms import ToNormalizedFloat
 
+logger = logging.getLogger(__name__)
+
+_START_OF_IMAGE = b"\xff\xd8"
 # Start-of-frame markers (ITU-T T.81 table B.1): 0xC0-0xCF except DHT (0xC4),
 # JPG (0xC8) and DAC (0xCC).
 _FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
@@ -37,6 +41,9 @@ _STANDALONE_MARKERS = frozenset([0x01, *range(0xD0, 0xD8)])
 # A JPEG file larger than this many bytes per pixel of the pixel limit is
 # refused before it is read whole (raw 8-bit RGB is 3 bytes per pixel).
 _BYTES_PER_PIXEL = 4
+# Pixels of full-size images decoded in one call: the device memory they hold
+# at once (3 bytes a pixel: about 200 MB), whatever the batch size.
+DECODE_PIXELS = 2**26
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,7 @@ def jpeg_header(data: bytes) -> JpegHeader | None:
     Walks the marker segments from the start, each step at least one byte on,
     and never reads past the end of ``data``: any input ends in one pass.
     """
-    if data[:2] != b"\xff\xd8":
+    if data[:2] != _START_OF_IMAGE:
         return None
     position, end = 2, len(data)
     while position + 4 <= end:
@@ -122,7 +129,9 @@ def read_encoded(path: str) -> EncodedJpeg | torch.Tensor:
     limit = max_image_pixels()
     most = None if limit is None else _BYTES_PER_PIXEL * limit
     with open(path, "rb") as f:
-        data = f.read() if most is None else f.read(most + 1)
+        if f.read(2) != _START_OF_IMAGE:
+            return decode_image_file(path)  # not a JPEG: read it once, there
+        data = _START_OF_IMAGE + (f.read() if most is None else f.read(most - 1))
     header = jpeg_header(data)
     if header is None or not header.on_device:
         return decode_image_file(path)
@@ -195,22 +204,23 @@ class DeviceGeometry:
 
 @dataclass
 class EncodedSample:
-    """One sample as a worker serves it: JPEG bytes with its draws, or the
-    finished pixels of a file decoded in the worker (``ready``)."""
+    """One sample as a worker serves it: JPEG bytes with the crop box and flip
+    drawn for it, or the finished pixels of a file decoded in the worker
+    (``ready``)."""
 
     geometry: DeviceGeometry
     data: torch.Tensor
     path: str = ""
     box: tuple[int, ...] = ()
     flip: bool = False
+    pixels: int = 0  # of the decoded image, from the header
     ready: bool = False
 
 
 class DeferredTransform:
     """The worker's side of a CPU pipeline: draws for JPEG bytes, the whole
-    pipeline for an image decoded in the worker.  ``draws`` and the pipeline
-    take the same numbers from the generator, so either way a sample's seed
-    fixes its crop."""
+    pipeline for an image decoded in the worker.  Both take the same numbers
+    from the generator, so either way a sample's seed fixes its crop."""
 
     def __init__(self, pipeline: v2.Compose):
         self.pipeline = pipeline
@@ -219,22 +229,22 @@ class DeferredTransform:
     def __call__(self, image: EncodedJpeg | torch.Tensor) -> EncodedSample:
         if isinstance(image, torch.Tensor):
             return EncodedSample(self.geometry, self.pipeline(image), ready=True)
-        box, flip = self.geometry.draw(image.header.height, image.header.width)
-        return EncodedSample(self.geometry, image.data, image.path, box, flip)
+        height, width = image.header.height, image.header.width
+        box, flip = self.geometry.draw(height, width)
+        return EncodedSample(
+            self.geometry, image.data, image.path, box, flip, height * width
+        )
 
 
 @dataclass
 class EncodedBatch:
-    """A batch of :class:`EncodedSample`: the JPEG bytes with their draws and
-    places in the batch, and the finished pixels of the others with theirs."""
+    """A batch of :class:`EncodedSample`: the JPEG samples and their places in
+    the batch, and the finished pixels of the others (stacked) and theirs."""
 
     geometry: DeviceGeometry
     size: int
-    jpegs: list[torch.Tensor] = field(default_factory=list)
-    paths: list[str] = field(default_factory=list)
-    boxes: list[tuple[int, ...]] = field(default_factory=list)
-    flips: list[bool] = field(default_factory=list)
-    jpeg_places: list[int] = field(default_factory=list)
+    encoded: list[EncodedSample] = field(default_factory=list)
+    encoded_places: list[int] = field(default_factory=list)
     ready: torch.Tensor | None = None
     ready_places: list[int] = field(default_factory=list)
 
@@ -243,7 +253,8 @@ class EncodedBatch:
 
     def pin_memory(self) -> EncodedBatch:
         """The batch in pinned memory (the DataLoader's pin thread calls this)."""
-        self.jpegs = [data.pin_memory() for data in self.jpegs]
+        for sample in self.encoded:
+            sample.data = sample.data.pin_memory()
         if self.ready is not None:
             self.ready = self.ready.pin_memory()
         return self
@@ -260,12 +271,9 @@ def collate_encoded(
         if sample.ready:
             ready.append(sample.data)
             batch.ready_places.append(place)
-            continue
-        batch.jpegs.append(sample.data)
-        batch.paths.append(sample.path)
-        batch.boxes.append(sample.box)
-        batch.flips.append(sample.flip)
-        batch.jpeg_places.append(place)
+        else:
+            batch.encoded.append(sample)
+            batch.encoded_places.append(place)
     batch.ready = torch.stack(ready) if ready else None
     return batch, torch.tensor([label for _, label in samples])
 
@@ -275,10 +283,9 @@ def empty_batch(sample: EncodedSample) -> EncodedBatch:
     return EncodedBatch(sample.geometry, 0)
 
 
-def decode_jpegs(
-    jpegs: list[torch.Tensor], paths: list[str], device: torch.device
-) -> list[torch.Tensor]:
-    """The JPEG byte tensors (on the CPU) as RGB uint8 images on ``device``.
+def decode_jpegs(samples: list[EncodedSample], device: torch.device) -> list:
+    """The JPEG bytes of ``samples`` (on the CPU) as RGB uint8 images on
+    ``device``.
 
     On CUDA one batched nvJPEG call; torchvision decodes on a stream of its
     own and makes the device's current stream wait for it (an event, no host
@@ -291,32 +298,70 @@ def decode_jpegs(
     rgb = ImageReadMode.RGB
     with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders
         warnings.simplefilter("ignore", DeprecationWarning)
-        if jpegs and device.type == "cuda":
+        if samples and device.type == "cuda":
             with torch.cuda.device(device):
                 try:
-                    return decode_jpeg(jpegs, mode=rgb, device=device)
-                except RuntimeError:
-                    pass  # one image nvJPEG does not take: each on the CPU
+                    data = [sample.data for sample in samples]
+                    return decode_jpeg(data, mode=rgb, device=device)
+                except RuntimeError as error:  # one image it does not take
+                    _warn_refused_batch(error)
         images = []
-        for data, path in zip(jpegs, paths):
+        for sample in samples:
             try:
-                image = decode_jpeg(data, mode=rgb)
+                image = decode_jpeg(sample.data, mode=rgb)
             except RuntimeError as error:
-                raise DataError(f"cannot read image {path}: {error}") from error
+                raise DataError(f"cannot read image {sample.path}: {error}") from error
             images.append(image.to(device, non_blocking=True))
         return images
 
 
-def decode_batch(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
+_refused_batches = [0]  # batches nvJPEG refused in this process
+
+
+def _warn_refused_batch(error: RuntimeError) -> None:
+    """Warn of the first batch nvJPEG refuses in this process (the others
+    follow the same path, silently)."""
+    _refused_batches[0] += 1
+    if _refused_batches[0] == 1:
+        logger.warning(
+            "nvJPEG refused a batch (%s); its images are decoded on the CPU, "
+            "here and in any later batch it refuses",
+            error,
+        )
+
+
+def _chunks(pixels: list[int], budget: int) -> list[range]:
+    """Consecutive runs of the images of ``pixels`` (counts) holding at most
+    ``budget`` pixels each, or a single image above it."""
+    runs, start, total = [], 0, 0
+    for index, count in enumerate(pixels):
+        if index > start and total + count > budget:
+            runs.append(range(start, index))
+            start, total = index, 0
+        total += count
+    if start < len(pixels):
+        runs.append(range(start, len(pixels)))
+    return runs
+
+
+def decode_batch(
+    batch: EncodedBatch, device: torch.device, budget: int = DECODE_PIXELS
+) -> torch.Tensor:
     """``batch`` as a uint8 tensor N x 3 x H x W on ``device``: decoded, cropped,
-    resized and flipped there (the finished pixels copied in)."""
+    resized and flipped there (the finished pixels copied in).
+
+    The JPEGs are decoded in runs of at most ``budget`` pixels, each run
+    cropped before the next is decoded: full-size images of a batch never
+    hold more device memory than that (or one image above it).
+    """
     images: list[torch.Tensor | None] = [None] * len(batch)
-    decoded = decode_jpegs(batch.jpegs, batch.paths, device)
-    geometry = batch.geometry
-    for place, image, box, flip in zip(
-        batch.jpeg_places, decoded, batch.boxes, batch.flips
-    ):
-        images[place] = geometry.apply(image, box, flip)
+    geometry, encoded = batch.geometry, batch.encoded
+    for run in _chunks([sample.pixels for sample in encoded], budget):
+        decoded = decode_jpegs([encoded[i] for i in run], device)
+        for i, image in zip(run, decoded):
+            sample = encoded[i]
+            image = geometry.apply(image, sample.box, sample.flip)
+            images[batch.encoded_places[i]] = image
     if batch.ready is not None:
         ready = batch.ready.to(device, non_blocking=True)
         for place, image in zip(batch.ready_places, ready):
