@@ -88,7 +88,7 @@ def check_launch(cfg: CfgNode, num_procs: int = 1) -> None:
         )
     if cfg.DATA.DECODER == "gpu" and not torch.cuda.is_available():
         raise ConfigError(
-            f"DATA.DECODER gpu decodes on a CUDA device, but CUDA is not available "
+            "DATA.DECODER gpu decodes on a CUDA device, but CUDA is not available "
             f"to this process (DEVICE {cfg.DEVICE}); use DATA.DECODER tensor"
         )
     try:

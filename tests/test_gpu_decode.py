@@ -324,9 +324,10 @@ def test_a_short_cuda_run_with_the_gpu_decoder_learns(tmp_path):
     words = f"TRAIN.DATASET {root} TEST.DATASET {root} TEST.SPLIT train "
     words += "MODEL.ARCH resnet8 MODEL.NUM_CLASSES 2 TRAIN.IM_SIZE 48 "
     words += "TEST.IM_SIZE 56 DATA.DECODER gpu DEVICE cuda TRAIN.BATCH_SIZE 8 "
-    words += f"TEST.BATCH_SIZE 16 OPTIM.MAX_EPOCH 4 TRAIN.WORKERS 2 OUT_DIR {out}"
+    words += f"TEST.BATCH_SIZE 16 OPTIM.MAX_EPOCH 6 TRAIN.WORKERS 2 OUT_DIR {out}"
     assert_ok(train_net(*words.split()))
     val = read_metrics(out, "val")
     assert val[-1]["samples"] == 48
-    assert val[-1]["top1"] >= 80.0  # stripes across or down: easy after 4 epochs
+    # Stripes across or down: 100% after 4 epochs when run on the CPU.
+    assert val[-1]["top1"] >= 80.0
     assert os.path.isfile(os.path.join(out, "config.yaml"))
