@@ -25,6 +25,7 @@ from distribuuuu.data import (
     build_dataset,
     build_normalizer,
     build_test_loader,
+    empty_batch,
     eval_sizes,
 )
 from distribuuuu.logger import MetricsWriter, end_status, live_console, set_status
@@ -124,8 +125,7 @@ def evaluate(
         elif (it + 1) % spec.print_freq == 0 and it + 1 < iters:
             logger.info("eval it %d/%d", it + 1, iters)
     if missing:  # a sharded forward is a collective: run as often as the rest
-        image = loader.dataset[0][0]
-        empty = normalize(image.new_empty((0, *image.shape)))
+        empty = normalize(empty_batch(loader.dataset[0][0]))
         for _ in range(missing):
             with autocast(device, spec.amp_dtype):
                 model(empty)

@@ -86,6 +86,11 @@ def check_launch(cfg: CfgNode, num_procs: int = 1) -> None:
             "DEVICE cuda, but CUDA is not available to this process (torch "
             f"{torch.__version__}); set DEVICE auto or cpu"
         )
+    if cfg.DATA.DECODER == "gpu" and not torch.cuda.is_available():
+        raise ConfigError(
+            "DATA.DECODER gpu decodes on a CUDA device, but CUDA is not available "
+            f"to this process (DEVICE {cfg.DEVICE}); use DATA.DECODER tensor"
+        )
     try:
         info = detect_launch()
         on_gpus = cfg.DEVICE != "cpu" and torch.cuda.is_available()

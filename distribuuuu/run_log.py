@@ -15,6 +15,7 @@ from yacs.config import CfgNode
 
 from distribuuuu import distributed as du
 from distribuuuu import reports
+from distribuuuu.data import stack_images
 from distribuuuu.logger import STATUS_LINE, MetricsWriter, set_status
 from distribuuuu.meters import format_eta, per_class_top1, progress_bar
 from distribuuuu.numerics import all_finite, module_tensors, nonfinite_loss
@@ -205,7 +206,7 @@ def log_training_images(writer: MetricsWriter, dataset, seed: int) -> None:
     indices = torch.linspace(0, len(dataset) - 1, min(16, len(dataset))).long()
     with torch.random.fork_rng(devices=[]):  # leave the run's RNG as it was
         torch.manual_seed(seed)
-        images = torch.stack([dataset[int(i)][0] for i in indices])
+        images = stack_images([dataset[int(i)][0] for i in indices])
     grid = torchvision.utils.make_grid(images, nrow=8)
     pixels = grid.permute(1, 2, 0).numpy()
     writer.image("train/augmented_images", pixels)

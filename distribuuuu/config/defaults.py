@@ -110,7 +110,10 @@ _C.DATA.SKIP_CORRUPT = False
 # 1.2-1.7x the images per second of PIL on 2 CPU cores; crops, flips and
 # augmentations draw the same random numbers, the pixels agree up to rounding)
 # | pil (PIL images, as torchvision's ImageFolder; for other formats, or to
-# reproduce runs made before the tensor decoder)
+# reproduce runs made before the tensor decoder) | gpu (JPEGs decoded, cropped and
+# resized on the CUDA device with nvJPEG, batched; the workers only read the
+# bytes and draw the crops, the same draws as tensor; other formats are decoded
+# in the worker; needs CUDA, imagefolder, no AUTO_AUGMENT and no RANDOM_ERASING)
 _C.DATA.DECODER = "tensor"
 # Auto-augment policy of the training images, applied after crop and flip on the
 # uint8 image: none | randaugment (RANDAUG_N operations of magnitude RANDAUG_M)

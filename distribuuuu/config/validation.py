@@ -438,7 +438,34 @@ def _validate_data(cfg: CfgNode) -> None:
         f"{name} has {classes} classes",
     )
     _check_data_paths(cfg, name)
+    if cfg.DATA.DECODER == "gpu":
+        _validate_gpu_decoder(cfg, name)
     cfg.DATA.NAME = name
+
+
+def _validate_gpu_decoder(cfg: CfgNode, name: str) -> None:
+    """DATA.DECODER gpu: image files, a CUDA device, and no augmentation that
+    needs the pixels in the loader's workers."""
+    _check(
+        cfg.DEVICE != "cpu",
+        "DATA.DECODER",
+        "gpu",
+        "decodes on the CUDA device, but DEVICE is cpu; use DATA.DECODER tensor",
+    )
+    _check(
+        name == "imagefolder",
+        "DATA.DECODER",
+        "gpu",
+        f"decodes image files (DATA.NAME imagefolder), but the data set is {name}",
+    )
+    why = (
+        "is not supported with DATA.DECODER gpu (it works on the pixels in the "
+        "loader's workers, which hold only JPEG bytes); use DATA.DECODER tensor"
+    )
+    augment = cfg.DATA.AUTO_AUGMENT
+    _check(augment == "none", "DATA.AUTO_AUGMENT", augment, why)
+    erasing = cfg.DATA.RANDOM_ERASING
+    _check(erasing == 0, "DATA.RANDOM_ERASING", erasing, why)
 
 
 def _validate_deepspeed(cfg: CfgNode) -> None:

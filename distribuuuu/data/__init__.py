@@ -14,6 +14,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.config import resolve_data_name
 from distribuuuu.data import datasets as ds
+from distribuuuu.data import gpu_decode
 from distribuuuu.data.datasets import DataError, count_images, find_image_files
 from distribuuuu.data.samplers import ExactShardSampler, ResumableTrainSampler
 from distribuuuu.data.transforms import (
@@ -27,6 +28,7 @@ from distribuuuu.tta import CROP_MODES
 __all__ = [
     "DataError",
     "build_dataset",
+    "empty_batch",
     "build_normalizer",
     "build_test_transform",
     "build_train_loader",
@@ -36,6 +38,7 @@ __all__ = [
     "find_image_files",
     "flip_probability",
     "image_reader",
+    "stack_images",
     "eval_sizes",
 ]
 
@@ -116,13 +119,18 @@ def build_normalizer(
     copied to ``device`` as float32 normalised with the data set's mean and
     std, optionally channels-last."""
     mean, std = _statistics(resolve_data_name(cfg))
-    return ToNormalizedFloat(mean, std, channels_last).to(device)
+    normalize = ToNormalizedFloat(mean, std, channels_last).to(device)
+    if cfg.DATA.DECODER == "gpu":  # the batches are JPEG bytes: decode them there
+        return gpu_decode.DeviceDecoder(normalize)
+    return normalize
 
 
 def image_reader(cfg: CfgNode) -> Callable[[str], torch.Tensor | Image.Image]:
     """What reads an image file for cfg (DATA.DECODER): a uint8 tensor from
-    ``torchvision.io`` or an RGB PIL image; a DataError names a damaged file."""
-    return ds.decode_image_file if cfg.DATA.DECODER == "tensor" else ds.load_image
+    ``torchvision.io`` or an RGB PIL image; a DataError names a damaged file.
+    DATA.DECODER gpu reads a single file as tensor does."""
+    tensor = cfg.DATA.DECODER in ("tensor", "gpu")
+    return ds.decode_image_file if tensor else ds.load_image
 
 
 def build_test_transform(
@@ -164,7 +172,11 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
         return ds.TensorImageDataset(images, labels, classes, transform)
     if name == "imagefolder":
         path, key = _image_folder(cfg, train)
-        dataset = ds.CheckedImageFolder(path, transform, key, image_reader(cfg))
+        reader = image_reader(cfg)
+        if cfg.DATA.DECODER == "gpu":  # the workers serve bytes and crop draws
+            transform = gpu_decode.DeferredTransform(transform)
+            reader = gpu_decode.read_encoded
+        dataset = ds.CheckedImageFolder(path, transform, key, reader)
         _check_class_count(key, path, len(dataset.classes), cfg.MODEL.NUM_CLASSES)
         return ds.SkipUnreadable(dataset) if cfg.DATA.SKIP_CORRUPT else dataset
     if name == "synthetic":
@@ -237,7 +249,26 @@ def _loader_kwargs(cfg: CfgNode, device: torch.device) -> dict:
         "pin_memory": cfg.TRAIN.PIN_MEMORY and device.type == "cuda",
         "persistent_workers": workers > 0,
         "worker_init_fn": _seed_worker if workers > 0 else None,
+        "collate_fn": (
+            gpu_decode.collate_encoded if cfg.DATA.DECODER == "gpu" else None
+        ),
     }
+
+
+def empty_batch(image: torch.Tensor | gpu_decode.EncodedSample):
+    """A batch of no images, shaped as ``image`` (a sample of the data set)."""
+    if isinstance(image, gpu_decode.EncodedSample):
+        return gpu_decode.empty_batch(image)
+    return image.new_empty((0, *image.shape))
+
+
+def stack_images(images: list) -> torch.Tensor:
+    """Samples' images as one uint8 batch on the CPU (JPEG bytes of
+    DATA.DECODER gpu decoded here)."""
+    if images and isinstance(images[0], gpu_decode.EncodedSample):
+        batch, _ = gpu_decode.collate_encoded([(image, 0) for image in images])
+        return gpu_decode.decode_batch(batch, torch.device("cpu"))
+    return torch.stack(images)
 
 
 class SeededDataset(Dataset):

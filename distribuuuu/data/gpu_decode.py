@@ -1,0 +1,387 @@
+"""DATA.DECODER gpu: JPEG files decoded, cropped and resized on the run's device.
+
+The loader's workers read each file and parse its JPEG header (no pixel is
+decoded there), draw the sample's crop and flip from the image size with the
+sample's seed (the very draws the CPU decoders make, so a seed gives the same
+crop), and hand the bytes on.  The main process decodes each batch on the
+device with ``torchvision.io.decode_jpeg`` (nvJPEG on CUDA, batched), applies
+the crop and resize of the CPU pipeline there (the same torchvision kernels,
+with the same parameters), and normalises with :class:`ToNormalizedFloat`.
+
+Files the device decoder does not take (PNG and the other formats, and JPEGs
+that are not 8-bit Huffman-coded grey or YCbCr: CMYK, 12-bit, arithmetic,
+lossless) are decoded and transformed in the worker as DATA.DECODER tensor
+does, from the same draws, and travel as finished uint8 pixels.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torchvision.transforms import v2
+
+from distribuuuu.data.datasets import DataError, decode_image_file, max_image_pixels
+from distribuuuu.data.transforms import ToNormalizedFloat
+
+logger = logging.getLogger(__name__)
+
+_START_OF_IMAGE = b"\xff\xd8"
+# Start-of-frame markers (ITU-T T.81 table B.1): 0xC0-0xCF except DHT (0xC4),
+# JPG (0xC8) and DAC (0xCC).
+_FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# The frames decoded on the device: baseline, extended and progressive
+# Huffman coding (what nvJPEG decodes), of 8-bit samples.
+_DEVICE_FRAMES = (0xC0, 0xC1, 0xC2)
+# Markers without a length: TEM and the restart markers RST0-RST7.
+_STANDALONE_MARKERS = frozenset([0x01, *range(0xD0, 0xD8)])
+# A JPEG file larger than this many bytes per pixel of the pixel limit is
+# refused before it is read whole (raw 8-bit RGB is 3 bytes per pixel).
+_BYTES_PER_PIXEL = 4
+# Pixels of full-size images decoded in one call: the device memory they hold
+# at once (3 bytes a pixel: about 200 MB), whatever the batch size.
+DECODE_PIXELS = 2**26
+
+
+@dataclass(frozen=True)
+class JpegHeader:
+    """What a JPEG frame header says: size, samples, and its marker."""
+
+    height: int
+    width: int
+    components: int
+    precision: int
+    marker: int
+
+    @property
+    def on_device(self) -> bool:
+        """True when the device decoder takes the image (8-bit Huffman coded,
+        grey or three components)."""
+        return (
+            self.marker in _DEVICE_FRAMES
+            and self.precision == 8
+            and self.components in (1, 3)
+        )
+
+
+def jpeg_header(data: bytes) -> JpegHeader | None:
+    """The frame header of the JPEG file ``data``, read without decoding it;
+    None when ``data`` is not a JPEG with a frame header before its first scan.
+
+    Walks the marker segments from the start, each step at least one byte on,
+    and never reads past the end of ``data``: any input ends in one pass.
+    """
+    if data[:2] != _START_OF_IMAGE:
+        return None
+    position, end = 2, len(data)
+    while position + 4 <= end:
+        if data[position] != 0xFF:
+            return None  # not a marker where one must be
+        marker = data[position + 1]
+        if marker == 0xFF:  # fill byte
+            position += 1
+            continue
+        if marker in _STANDALONE_MARKERS:
+            position += 2
+            continue
+        length = int.from_bytes(data[position + 2 : position + 4], "big")
+        if marker in (0xD8, 0xD9, 0xDA) or length < 2:
+            return None  # another SOI, the end or a scan before any frame
+        if marker in _FRAME_MARKERS:
+            segment = data[position + 4 : position + 2 + length]
+            if len(segment) < 6:
+                return None
+            components = segment[5]
+            header = JpegHeader(
+                height=int.from_bytes(segment[1:3], "big"),
+                width=int.from_bytes(segment[3:5], "big"),
+                components=components,
+                precision=segment[0],
+                marker=marker,
+            )
+            complete = components > 0 and len(segment) >= 6 + 3 * components
+            return header if complete and header.height and header.width else None
+        position += 2 + length
+    return None
+
+
+@dataclass(frozen=True)
+class EncodedJpeg:
+    """A JPEG file's bytes (a 1-D uint8 tensor) and its header, as read."""
+
+    path: str
+    data: torch.Tensor
+    header: JpegHeader
+
+
+def read_encoded(path: str) -> EncodedJpeg | torch.Tensor:
+    """The image file at ``path`` as JPEG bytes for the device decoder, or,
+    for a file it does not take, decoded here (:func:`decode_image_file`).
+
+    The pixel limit of :func:`max_image_pixels` holds from the header; a
+    JPEG is read with at most 4 bytes per pixel of that limit.  A file whose
+    header cannot be parsed goes to :func:`decode_image_file`, which names it
+    in a DataError when it is not an image.
+    """
+    limit = max_image_pixels()
+    most = None if limit is None else _BYTES_PER_PIXEL * limit
+    with open(path, "rb") as f:
+        if f.read(2) != _START_OF_IMAGE:
+            return decode_image_file(path)  # not a JPEG: read it once, there
+        data = _START_OF_IMAGE + (f.read() if most is None else f.read(most - 1))
+    header = jpeg_header(data)
+    if header is None or not header.on_device:
+        return decode_image_file(path)
+    if most is not None and len(data) > most:
+        raise DataError(f"cannot read image {path}: more than {most} bytes")
+    if limit is not None and header.width * header.height > limit:
+        raise DataError(
+            f"cannot read image {path}: {header.width} x {header.height} pixels, "
+            f"more than the limit of {limit} pixels for one image (a "
+            "decompression bomb?)"
+        )
+    encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return EncodedJpeg(path, encoded, header)
+
+
+def _shape_only(height: int, width: int) -> torch.Tensor:
+    """A 3 x height x width tensor without memory, for the size queries of a
+    transform's parameter draws."""
+    return torch.empty((), dtype=torch.uint8).expand(3, height, width)
+
+
+class DeviceGeometry:
+    """The crop, resize and flip of a CPU pipeline, split into the draws (in
+    the worker, from the image size) and the pixel work (on any device).
+
+    It takes the pipeline's own transform objects, so sizes, scale and ratio
+    ranges and interpolation are those of the CPU path by construction:
+    training is RandomResizedCrop and an optional RandomHorizontalFlip,
+    evaluation Resize then CenterCrop.  Anything else (auto-augment, random
+    erasing) needs the pixels in the worker: a ValueError names it.
+    """
+
+    def __init__(self, pipeline: v2.Compose):
+        steps = [s for s in pipeline.transforms if not isinstance(s, v2.PILToTensor)]
+        kinds = [type(step) for step in steps]
+        crop, flip = v2.RandomResizedCrop, v2.RandomHorizontalFlip
+        if kinds in ([crop], [crop, flip]):
+            self.train, self.crop = True, steps[0]
+            self.flip = steps[1] if len(steps) > 1 else None
+            self.size = tuple(self.crop.size)
+        elif kinds == [v2.Resize, v2.CenterCrop]:
+            self.train, (self.resize, self.center) = False, steps
+            self.size = tuple(self.center.size)
+        else:
+            names = ", ".join(kind.__name__ for kind in kinds)
+            raise ValueError(f"DATA.DECODER gpu cannot run {names} on the device")
+
+    def draw(self, height: int, width: int) -> tuple[tuple[int, ...], bool]:
+        """The crop box (top, left, height, width) and flip of one image of
+        ``height`` x ``width``, drawn from torch's default generator as the
+        CPU pipeline draws them; the whole image and no flip in evaluation."""
+        if not self.train:
+            return (0, 0, height, width), False
+        params = self.crop.make_params([_shape_only(height, width)])
+        box = (params["top"], params["left"], params["height"], params["width"])
+        # RandomHorizontalFlip draws once and leaves the image when rand >= p.
+        flip = self.flip is not None and bool(torch.rand(1) < self.flip.p)
+        return box, flip
+
+    def apply(self, image: torch.Tensor, box: tuple[int, ...], flip: bool):
+        """``image`` (uint8, 3 x H x W, on any device) cropped, resized and
+        flipped as the CPU pipeline does for the same draws."""
+        if not self.train:
+            return self.center(self.resize(image))
+        top, left, height, width = box
+        params = {"top": top, "left": left, "height": height, "width": width}
+        image = self.crop.transform(image, params)
+        return self.flip.transform(image, {}) if flip else image
+
+
+@dataclass
+class EncodedSample:
+    """One sample as a worker serves it: JPEG bytes with the crop box and flip
+    drawn for it, or the finished pixels of a file decoded in the worker
+    (``ready``)."""
+
+    geometry: DeviceGeometry
+    data: torch.Tensor
+    path: str = ""
+    box: tuple[int, ...] = ()
+    flip: bool = False
+    pixels: int = 0  # of the decoded image, from the header
+    ready: bool = False
+
+
+class DeferredTransform:
+    """The worker's side of a CPU pipeline: draws for JPEG bytes, the whole
+    pipeline for an image decoded in the worker.  Both take the same numbers
+    from the generator, so either way a sample's seed fixes its crop."""
+
+    def __init__(self, pipeline: v2.Compose):
+        self.pipeline = pipeline
+        self.geometry = DeviceGeometry(pipeline)
+
+    def __call__(self, image: EncodedJpeg | torch.Tensor) -> EncodedSample:
+        if isinstance(image, torch.Tensor):
+            return EncodedSample(self.geometry, self.pipeline(image), ready=True)
+        height, width = image.header.height, image.header.width
+        box, flip = self.geometry.draw(height, width)
+        return EncodedSample(
+            self.geometry, image.data, image.path, box, flip, height * width
+        )
+
+
+@dataclass
+class EncodedBatch:
+    """A batch of :class:`EncodedSample`: the JPEG samples and their places in
+    the batch, and the finished pixels of the others (stacked) and theirs."""
+
+    geometry: DeviceGeometry
+    size: int
+    encoded: list[EncodedSample] = field(default_factory=list)
+    encoded_places: list[int] = field(default_factory=list)
+    ready: torch.Tensor | None = None
+    ready_places: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def pin_memory(self) -> EncodedBatch:
+        """The batch in pinned memory (the DataLoader's pin thread calls this)."""
+        for sample in self.encoded:
+            sample.data = sample.data.pin_memory()
+        if self.ready is not None:
+            self.ready = self.ready.pin_memory()
+        return self
+
+
+def collate_encoded(
+    samples: list[tuple[EncodedSample, int]],
+) -> tuple[EncodedBatch, torch.Tensor]:
+    """The loader's collate for DATA.DECODER gpu: one :class:`EncodedBatch`
+    of byte tensors of any lengths, and the labels as a tensor."""
+    batch = EncodedBatch(samples[0][0].geometry, len(samples))
+    ready = []
+    for place, (sample, _) in enumerate(samples):
+        if sample.ready:
+            ready.append(sample.data)
+            batch.ready_places.append(place)
+        else:
+            batch.encoded.append(sample)
+            batch.encoded_places.append(place)
+    batch.ready = torch.stack(ready) if ready else None
+    return batch, torch.tensor([label for _, label in samples])
+
+
+def empty_batch(sample: EncodedSample) -> EncodedBatch:
+    """A batch of no images shaped as ``sample``'s (an evaluation pads with it)."""
+    return EncodedBatch(sample.geometry, 0)
+
+
+def decode_jpegs(samples: list[EncodedSample], device: torch.device) -> list:
+    """The JPEG bytes of ``samples`` (on the CPU) as RGB uint8 images on
+    ``device``.
+
+    On CUDA one batched nvJPEG call; torchvision decodes on a stream of its
+    own and makes the device's current stream wait for it (an event, no host
+    sync).  Should nvJPEG refuse the batch, each image is decoded on the CPU
+    (libjpeg-turbo, as DATA.DECODER tensor) and copied over; a DataError
+    names a file that neither decodes.
+    """
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    rgb = ImageReadMode.RGB
+    with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if samples and device.type == "cuda":
+            with torch.cuda.device(device):
+                try:
+                    data = [sample.data for sample in samples]
+                    return decode_jpeg(data, mode=rgb, device=device)
+                except RuntimeError as error:  # one image it does not take
+                    _warn_refused_batch(error)
+        images = []
+        for sample in samples:
+            try:
+                image = decode_jpeg(sample.data, mode=rgb)
+            except RuntimeError as error:
+                raise DataError(f"cannot read image {sample.path}: {error}") from error
+            images.append(image.to(device, non_blocking=True))
+        return images
+
+
+_refused_batches = [0]  # batches nvJPEG refused in this process
+
+
+def _warn_refused_batch(error: RuntimeError) -> None:
+    """Warn of the first batch nvJPEG refuses in this process (the others
+    follow the same path, silently)."""
+    _refused_batches[0] += 1
+    if _refused_batches[0] == 1:
+        logger.warning(
+            "nvJPEG refused a batch (%s); its images are decoded on the CPU, "
+            "here and in any later batch it refuses",
+            error,
+        )
+
+
+def _chunks(pixels: list[int], budget: int) -> list[range]:
+    """Consecutive runs of the images of ``pixels`` (counts) holding at most
+    ``budget`` pixels each, or a single image above it."""
+    runs, start, total = [], 0, 0
+    for index, count in enumerate(pixels):
+        if index > start and total + count > budget:
+            runs.append(range(start, index))
+            start, total = index, 0
+        total += count
+    if start < len(pixels):
+        runs.append(range(start, len(pixels)))
+    return runs
+
+
+def decode_batch(
+    batch: EncodedBatch, device: torch.device, budget: int = DECODE_PIXELS
+) -> torch.Tensor:
+    """``batch`` as a uint8 tensor N x 3 x H x W on ``device``: decoded, cropped,
+    resized and flipped there (the finished pixels copied in).
+
+    The JPEGs are decoded in runs of at most ``budget`` pixels, each run
+    cropped before the next is decoded: full-size images of a batch never
+    hold more device memory than that (or one image above it).
+    """
+    images: list[torch.Tensor | None] = [None] * len(batch)
+    geometry, encoded = batch.geometry, batch.encoded
+    for run in _chunks([sample.pixels for sample in encoded], budget):
+        decoded = decode_jpegs([encoded[i] for i in run], device)
+        for i, image in zip(run, decoded):
+            sample = encoded[i]
+            image = geometry.apply(image, sample.box, sample.flip)
+            images[batch.encoded_places[i]] = image
+    if batch.ready is not None:
+        ready = batch.ready.to(device, non_blocking=True)
+        for place, image in zip(batch.ready_places, ready):
+            images[place] = image
+    if not images:
+        return torch.empty((0, 3, *geometry.size), dtype=torch.uint8, device=device)
+    return torch.stack(images)
+
+
+class DeviceDecoder(nn.Module):
+    """The input step of DATA.DECODER gpu: an :class:`EncodedBatch` decoded
+    and transformed on the device of ``normalize`` (:func:`decode_batch`),
+    then normalised by it; a uint8 tensor (one image, or a batch) goes to
+    ``normalize`` alone."""
+
+    def __init__(self, normalize: ToNormalizedFloat):
+        super().__init__()
+        self.normalize = normalize
+
+    def forward(self, images: EncodedBatch | torch.Tensor) -> torch.Tensor:
+        if isinstance(images, EncodedBatch):
+            images = decode_batch(images, self.normalize.shift.device)
+        return self.normalize(images)
