@@ -27,11 +27,22 @@ setup(
         "mlxtend",
     ],
     extras_require={
-        # timm and DeepSpeed too, so that the tests of their parts run
-        # instead of skipping.
-        "dev": ["pytest>=7", "pytest-xdist>=3", "ruff==0.17.6", "timm", "deepspeed"],
+        # timm, DeepSpeed and the trackers too, so that the tests of their
+        # parts run instead of skipping.
+        "dev": [
+            "pytest>=7",
+            "pytest-xdist>=3",
+            "ruff==0.17.6",
+            "timm",
+            "deepspeed",
+            "mlflow",
+            "wandb",
+        ],
         "timm": ["timm"],
         "deepspeed": ["deepspeed"],
+        # Experiment trackers (LOG.TRACKERS mlflow, wandb).
+        "mlflow": ["mlflow"],
+        "wandb": ["wandb"],
     },
     entry_points={
         "console_scripts": [
