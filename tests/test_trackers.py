@@ -38,7 +38,7 @@ pytest.importorskip("wandb")
 
 from distribuuuu.config import flat_cfg, get_cfg  # noqa: E402
 from distribuuuu.logger import MetricsWriter  # noqa: E402
-from distribuuuu.trackers import MlflowTracker  # noqa: E402
+from distribuuuu.remote_trackers import MlflowTracker  # noqa: E402
 
 logger = logging.getLogger(__name__)
 EVERY = ["LOG.TRACKERS", "['tensorboard','mlflow','wandb','csv']"]
@@ -190,18 +190,19 @@ def test_csv_matches_metrics_jsonl(tracked):
 
 @pytest.mark.slow
 def test_a_server_killed_mid_run_does_not_stop_training(server, tracked, tmp_path):
-    """Rank 0 is paused (SIGSTOP) after its first window while the server is
-    killed: the run then finishes, exit 0, with one warning."""
+    """Rank 0 is paused (SIGSTOP) after its second window while the server is
+    killed: the run then finishes, exit 0, with one warning.  A checkpoint
+    after every step makes sure the MLflow run exists by then (the first
+    checkpoint waits for it)."""
     out_dir = str(tmp_path / "run")
-    keys = ["TRAIN.PRINT_FREQ", "1", "LOG.TRACKERS", "['mlflow']", "OUT_DIR", out_dir]
+    keys = ["TRAIN.PRINT_FREQ", "1", "CHECKPOINT.PERIOD_ITERS", "1", "OUT_DIR", out_dir]
+    keys += ["TRAIN.DATA_BOUND_SHARE", "0", "LOG.TRACKERS", "['mlflow']"]
     keys += ["LOG.MLFLOW.TRACKING_URI", server.url, "LOG.MLFLOW.EXPERIMENT", "killed"]
     proc = start([sys.executable, "tools/train_net.py", *TINY, *keys])
     try:
         metrics = os.path.join(out_dir, "metrics.jsonl")
         deadline = time.monotonic() + 120
-        while '"split": "train"' not in (
-            read_text(metrics) if os.path.exists(metrics) else ""
-        ):
+        while not os.path.exists(metrics) or read_text(metrics).count('"train"') < 2:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGSTOP)
@@ -213,6 +214,8 @@ def test_a_server_killed_mid_run_does_not_stop_training(server, tracked, tmp_pat
     finally:
         if proc.returncode is None:
             kill_session(proc)
+    _, run = mlflow_run(server, "killed")
+    assert run.info.status == "RUNNING"  # created, never ended: the server died
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert len(read_metrics(out_dir, "train")) == STEPS
     assert len(read_metrics(out_dir, "val")) == 1
