@@ -46,15 +46,14 @@ MLFLOW_HTTP_DEFAULTS = {
 START_WAIT = 10.0
 # MLflow's limits: entries per log_batch call and characters of a param value.
 _MLFLOW_BATCH, _MLFLOW_PARAM_CHARS = 100, 6000
+# The name of every tracker thread begins with it.
+_THREAD_PREFIX = "tracker-"
 
 
 def _not_from_trackers(record: logging.LogRecord) -> bool:
     """False for the records of a tracker's thread (urllib3's "Retrying"
     warnings): a failing tracker says so once, in its own words."""
     return not record.threadName.startswith(_THREAD_PREFIX)
-
-
-_THREAD_PREFIX = "tracker-"
 
 
 class _Worker:
@@ -136,9 +135,11 @@ class _RemoteTracker(Tracker):
         self.files = [os.path.join(cfg.OUT_DIR, name) for name in names]
         self.close_timeout = cfg.LOG.CLOSE_TIMEOUT
         self.images: dict = {}
+        self.started = False
         self.worker = _Worker(self.name)
 
     def start(self, run_id: str | None) -> None:
+        self.started = True
         self.worker.submit(self._start, run_id)
 
     def log(self, record: dict, scalars: dict, step: int) -> None:
@@ -151,7 +152,8 @@ class _RemoteTracker(Tracker):
         self.worker.submit(self._log, dict(metrics), None)
 
     def close(self, status: str) -> None:
-        self.worker.submit(self._finish, status, dict(self.images))
+        if self.started:  # a run that failed while it was built has none
+            self.worker.submit(self._finish, status, dict(self.images))
         self.worker.close(self.close_timeout)
 
     def _start(self, run_id: str | None) -> None:

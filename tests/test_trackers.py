@@ -259,6 +259,7 @@ def test_unknown_tracker_is_refused(tmp_path):
     assert "lists csv twice" in line
 
 
+@pytest.mark.slow
 def test_missing_mlflow_names_the_extra(tmp_path):
     """``import mlflow`` raises ImportError in the run (a folder on PYTHONPATH
     shadows it): exit 2 before anything is written."""
