@@ -27,8 +27,8 @@ setup(
         "mlxtend",
     ],
     extras_require={
-        # timm, DeepSpeed and the ONNX packages too, so that the tests of
-        # their parts run instead of skipping.
+        # Every optional part too, so that the tests of those parts run
+        # instead of skipping.
         "dev": [
             "pytest>=7",
             "pytest-xdist>=3",
@@ -38,11 +38,16 @@ setup(
             "onnx",
             "onnxscript",
             "onnxruntime",
+            "mlflow",
+            "wandb",
         ],
         "timm": ["timm"],
         "deepspeed": ["deepspeed"],
         # tools/export.py --onnx (torch's exporter) and tools/predict.py --onnx.
         "onnx": ["onnx", "onnxscript", "onnxruntime"],
+        # Experiment trackers (LOG.TRACKERS mlflow, wandb).
+        "mlflow": ["mlflow"],
+        "wandb": ["wandb"],
     },
     entry_points={
         "console_scripts": [

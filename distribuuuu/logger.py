@@ -1,4 +1,4 @@
-"""Logging: console on rank 0, a log file per rank, JSON lines and tensorboard.
+"""Logging: console on rank 0, a log file per rank, JSON lines and trackers.
 
 On an interactive terminal rank 0's console also keeps a live status line (a
 progress bar) below the log; records marked ``extra={STATUS_LINE: True}`` go
@@ -16,9 +16,10 @@ import shutil
 import sys
 import time
 
+from distribuuuu.trackers import TensorboardTracker
+
 PACKAGE_LOGGER = "distribuuuu"
 METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tb"
 # Attribute of records that a live status line shows instead of the console.
 STATUS_LINE = "status_line"
 # A record with this attribute set goes to the log files only (tracebacks).
@@ -136,66 +137,76 @@ def setup_logging(out_dir: str | None, rank: int) -> logging.Logger:
 
 
 class MetricsWriter:
-    """Appends records to ``OUT_DIR/metrics.jsonl`` and scalars to ``OUT_DIR/tb``.
+    """Appends records to ``OUT_DIR/metrics.jsonl`` and hands them to the
+    experiment trackers (:mod:`distribuuuu.trackers`; tensorboard in
+    ``OUT_DIR/tb`` unless ``trackers`` says otherwise).
 
     Only the main process writes; on other ranks every call is a no-op.
     """
 
-    def __init__(self, out_dir: str, enabled: bool):
+    def __init__(self, out_dir: str, enabled: bool, trackers: list | None = None):
         self.enabled = enabled
         self._file = None
-        self._tb = None
+        self.trackers = []
         if enabled:
             os.makedirs(out_dir, exist_ok=True)
             path = os.path.join(out_dir, METRICS_FILE)
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115
-            from torch.utils.tensorboard import SummaryWriter
+            default = trackers is None
+            self.trackers = [TensorboardTracker(out_dir)] if default else trackers
 
-            self._tb = SummaryWriter(os.path.join(out_dir, TENSORBOARD_DIR))
+    def start(self, run_ids: dict[str, str]) -> None:
+        """Begin the trackers' runs, continuing those of ``run_ids`` (tracker
+        name -> run id, from the checkpoint resumed)."""
+        for tracker in self.trackers:
+            tracker.start(run_ids.get(tracker.name))
+
+    def run_ids(self) -> dict[str, str]:
+        """The trackers' run ids, for the checkpoint (empty on other ranks)."""
+        ids = {tracker.name: tracker.run_id for tracker in self.trackers}
+        return {name: run_id for name, run_id in ids.items() if run_id}
 
     def write(self, record: dict, scalars: dict | None = None, step: int = 0) -> None:
-        """Append one JSON record; log ``scalars`` (tag -> value) at ``step``."""
+        """Append one JSON record; log ``scalars`` (tag -> value) at ``step``.
+
+        The trackers get the records that have scalars (train windows and
+        evaluations).
+        """
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        for tag, value in (scalars or {}).items():
-            self._tb.add_scalar(tag, value, step)
+        if scalars:
+            for tracker in self.trackers:
+                tracker.log(record, scalars, step)
 
     def image(self, tag: str, image, step: int = 0) -> None:
-        """Log an HxWx3 uint8 image (a numpy array) to tensorboard."""
-        if self.enabled:
-            self._tb.add_image(tag, image, step, dataformats="HWC")
+        """Log an HxWx3 uint8 image (a numpy array)."""
+        for tracker in self.trackers:
+            tracker.image(tag, image, step)
 
     def histogram(self, tag: str, values, step: int = 0) -> None:
-        """Log the distribution of ``values`` to tensorboard."""
-        if self.enabled:
-            self._tb.add_histogram(tag, values, step)
+        """Log the distribution of ``values``."""
+        for tracker in self.trackers:
+            tracker.histogram(tag, values, step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
-        """Log a text (shown as markdown) to tensorboard."""
-        if self.enabled:
-            self._tb.add_text(tag, text, step)
+        """Log a text (tensorboard shows it as markdown)."""
+        for tracker in self.trackers:
+            tracker.text(tag, text, step)
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
-        """Log a run's hyper-parameters with its final metrics (hparams tab).
+        """Log a run's hyper-parameters with its final metrics (tensorboard's
+        hparams tab; the others have the config as params already)."""
+        for tracker in self.trackers:
+            tracker.hparams(hparams, metrics)
 
-        Values other than bool, int, float and str are logged as text.
-        """
-        if not self.enabled:
-            return
-        plain = {
-            key: value if isinstance(value, (bool, int, float, str)) else str(value)
-            for key, value in hparams.items()
-        }
-        # run_name "." writes into this run's own directory, not a new one.
-        self._tb.add_hparams(plain, metrics, run_name=".")
-
-    def close(self) -> None:
-        """Flush and close the files."""
+    def close(self, status: str = "FINISHED") -> None:
+        """Flush and close the files; end the trackers' runs with ``status``
+        (FINISHED, FAILED or KILLED: stopped by a signal, to be resumed)."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close(status)

@@ -3,7 +3,8 @@
 ``tools/train_net.py`` runs them after the config is loaded and validated:
 the launch (srun forgotten, CUDA asked for but absent, more processes than
 GPUs), the inputs the cfg names (data folders, MODEL.WEIGHTS, checkpoints
-already in OUT_DIR), the batch against the training images, and OUT_DIR
+already in OUT_DIR), the packages of LOG.TRACKERS, the batch against the
+training images, and OUT_DIR
 itself (created and proved writable).  An unusable input thus ends the run
 with exit code 2 and one line, before any file is written.
 
@@ -151,6 +152,15 @@ def check_model(cfg: CfgNode) -> None:
 
 # Training images of the data sets of a fixed size.
 _TRAIN_IMAGES = {"mnist5k": 4000, "cifar10": 50_000, "cifar100": 50_000}
+
+
+def check_trackers(cfg: CfgNode) -> None:
+    """The packages of LOG.TRACKERS import (mlflow, wandb)."""
+    from distribuuuu.trackers import missing_package
+
+    missing = missing_package(cfg)
+    if missing:
+        raise ConfigError(missing)
 
 
 def check_batch_fits(cfg: CfgNode, world_size: int) -> None:

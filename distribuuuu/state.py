@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,10 @@ SHARDS, SHARD_FILES = "sharded", "sharded_files"
 # file (its files in SHARD_FILES) and the [ZeRO stage, world size] that wrote it;
 # MODEL holds the whole weights as well.
 DEEPSPEED, DEEPSPEED_LAYOUT = "deepspeed", "deepspeed_layout"
+# The experiment trackers' run ids ({"mlflow": run id, "wandb": id}), which a
+# resumed run continues; what a run id read back may look like.
+TRACKER_RUNS = "tracker_runs"
+_TRACKER_RUN_ID = re.compile(r"[\w-]{1,128}")
 
 
 @dataclass
@@ -198,6 +203,7 @@ class TrainState:
         state.update(self.progress.state_dict(), **self.plan.state_dict())
         state.update(scaler=self.scaler.state_dict(), rng=rng)
         state.update(arch=cfg.MODEL.ARCH, classes=self.classes, cfg=cfg.dump())
+        state[TRACKER_RUNS] = self.writer.run_ids()
         return state
 
 
@@ -234,6 +240,21 @@ class SavedRun:
     @property
     def is_sharded(self) -> bool:
         return is_sharded_checkpoint(self.state)
+
+    @property
+    def tracker_runs(self) -> dict[str, str]:
+        """The experiment trackers' run ids to continue (tracker -> id); an
+        entry of another shape, or none (older files), gives none."""
+        saved = self.state.get(TRACKER_RUNS)
+        if not isinstance(saved, dict):
+            return {}
+        return {
+            name: run_id
+            for name, run_id in saved.items()
+            if isinstance(name, str)
+            and isinstance(run_id, str)
+            and _TRACKER_RUN_ID.fullmatch(run_id)
+        }
 
     @property
     def holds_optimizer(self) -> bool:

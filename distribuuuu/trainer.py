@@ -42,6 +42,7 @@ from distribuuuu.session import resolve_seed, run_context, seed_everything
 from distribuuuu.slurm import requeue_slurm_job
 from distribuuuu.state import RunClock, TrainState, plan_batches, restore_rng_state
 from distribuuuu.strategies import Strategy, build_strategy, strategy_class
+from distribuuuu.trackers import FAILED, FINISHED, KILLED, build_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +59,25 @@ def train_model(cfg: CfgNode) -> dict:
             strategy_class(cfg).write_config(cfg, info.world_size)
             for path in cp.remove_stale_files(cfg.OUT_DIR):
                 logger.info("removed %s, left by a save that was killed", path)
-        writer = MetricsWriter(cfg.OUT_DIR, enabled=info.rank == 0)
+        trackers = build_trackers(cfg) if info.rank == 0 else []
+        writer = MetricsWriter(cfg.OUT_DIR, info.rank == 0, trackers)
+        status = FAILED
         try:
             state, train_loader, val_loader = build_train_state(
                 cfg, info, device, writer
             )
             stop = StopRequest(cfg.DIST.STOP_CHECK_STEPS)
             try:
-                return train_epochs(cfg, state, train_loader, val_loader, stop)
+                result = train_epochs(cfg, state, train_loader, val_loader, stop)
+                status = KILLED if "stopped_by" in result else FINISHED
+                return result
+            except KeyboardInterrupt:  # to be resumed, as a signal's stop
+                status = KILLED
+                raise
             finally:
                 stop.restore()
         finally:
-            writer.close()
+            writer.close(status)
 
 
 def dry_run(cfg: CfgNode) -> dict:
@@ -191,6 +199,7 @@ def build_train_state(
     progress, saved, start = resume_or_load(cfg, strategy, model, optimizer,
                                             scaler, ema)  # fmt: skip
     progress.seed = seed if saved is None else progress.seed
+    writer.start({} if saved is None else saved.tracker_runs)
     # The data is read per data-parallel replica (the processes of a pipeline
     # share their batches).
     replica, replicas = strategy.data_parallel()

@@ -11,6 +11,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -261,3 +263,65 @@ def error_line(capsys) -> str:
     assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
     assert captured.out == ""
     return lines[0]
+
+
+class MlflowServer:
+    """A real ``mlflow server`` on 127.0.0.1 with a sqlite backend and a
+    local artifact store under ``root``; read what it stored back through
+    :attr:`store_uri` and :attr:`artifacts` (without the server)."""
+
+    def __init__(self, root: str):
+        self.root = str(root)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.store_uri = f"sqlite:///{os.path.join(self.root, 'mlflow.db')}"
+        self.artifacts = os.path.join(self.root, "artifacts")
+        self.proc: subprocess.Popen | None = None
+        self.startup_s = 0.0
+
+    def start(self, timeout: float = 120) -> None:
+        """Start it and wait until it answers /health (fail after ``timeout``)."""
+        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1"]
+        cmd += ["--port", str(self.port), "--workers", "1"]
+        cmd += ["--backend-store-uri", self.store_uri]
+        cmd += ["--artifacts-destination", self.artifacts]
+        # The job runner (7 processes) serves nothing a run logs.
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        tic = time.monotonic()
+        with open(os.path.join(self.root, "server.log"), "w") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=self.root, env=env, stdout=log, stderr=log,
+                start_new_session=True,
+            )  # fmt: skip
+        while time.monotonic() - tic < timeout:
+            if self.proc.poll() is not None:
+                break
+            health = self.url + "/health"
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(health, timeout=1) as reply,
+            ):
+                if reply.status == 200:
+                    self.startup_s = time.monotonic() - tic
+                    return
+            time.sleep(0.2)
+        self.stop()
+        log = read_text(self.root, "server.log")
+        pytest.fail(f"mlflow server did not start:\n{log}")
+
+    def stop(self) -> None:
+        """Kill it and everything it started, and reap it."""
+        if self.proc is not None:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def mlflow_server(root: str):
+    """A started :class:`MlflowServer`, always killed and reaped at the end."""
+    server = MlflowServer(root)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()

@@ -129,6 +129,7 @@ def load_and_check(args: argparse.Namespace) -> CfgNode:
     if not args.eval_only:
         preflight.check_layout(cfg, world_size)
         preflight.check_model(cfg)
+        preflight.check_trackers(cfg)
     preflight.check_inputs(
         cfg,
         keep_out_dir=not args.dry_run,

@@ -446,6 +446,41 @@ _C.CHECKPOINT.KEEP_BEST = 0
 _C.CHECKPOINT.BEST_METRIC = "top1"
 
 # ---------------------------------------------------------------------------- #
+# Experiment trackers (rank 0 talks to them; OUT_DIR/metrics.jsonl is always
+# written)
+# ---------------------------------------------------------------------------- #
+_C.LOG = CfgNode()
+# Where the run's params, metrics and files also go: any of tensorboard
+# (OUT_DIR/tb), mlflow, wandb, csv (OUT_DIR/metrics_<split>.csv); [] = none but
+# metrics.jsonl (jsonl may be listed: it is always on)
+_C.LOG.TRACKERS = ["tensorboard"]
+# Seconds the end of a run waits for the mlflow and wandb trackers to send what
+# they still hold (the last metrics, config.yaml, best.pth) before it gives up
+_C.LOG.CLOSE_TIMEOUT = 120.0
+_C.LOG.MLFLOW = CfgNode()
+# Tracking server or store ("" = MLFLOW_TRACKING_URI, else MLflow's default
+# ./mlruns)
+_C.LOG.MLFLOW.TRACKING_URI = ""
+# Experiment ("" = MLFLOW_EXPERIMENT_NAME, else MLflow's "Default")
+_C.LOG.MLFLOW.EXPERIMENT = ""
+# Run name ("" = the name of OUT_DIR)
+_C.LOG.MLFLOW.RUN_NAME = ""
+# Upload best.pth (and best_ema.pth) as artifacts at the end of the run
+_C.LOG.MLFLOW.UPLOAD_BEST = True
+_C.LOG.WANDB = CfgNode()
+# Project ("" = WANDB_PROJECT, else W&B's default)
+_C.LOG.WANDB.PROJECT = ""
+# Team or user ("" = WANDB_ENTITY, else your default entity)
+_C.LOG.WANDB.ENTITY = ""
+# online | offline (sync later with `wandb sync`) | disabled ("" = WANDB_MODE,
+# else online); the run directory is OUT_DIR/wandb
+_C.LOG.WANDB.MODE = ""
+# Run name ("" = the name of OUT_DIR)
+_C.LOG.WANDB.RUN_NAME = ""
+# Upload best.pth (and best_ema.pth) as a model artifact at the end of the run
+_C.LOG.WANDB.UPLOAD_BEST = False
+
+# ---------------------------------------------------------------------------- #
 # Misc
 # ---------------------------------------------------------------------------- #
 # Device: auto (cuda when available, else cpu) | cpu | cuda

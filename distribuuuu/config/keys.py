@@ -24,6 +24,7 @@ LIST_ITEMS = {
     "OPTIM.BETAS": (int, float),
     "DATA.SYNTHETIC_SIZE": (int,),
     "DIST.PIPELINE.SPLIT": (str,),
+    "LOG.TRACKERS": (str,),
 }
 # Old names still accepted, mapped to the current key with a warning.
 RENAMED = {
@@ -43,6 +44,7 @@ OFFLOADS = ("none", "cpu", "nvme")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PRECISIONS = ("auto", "none", "bf16", "fp16")
 AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
+TRACKERS = ("tensorboard", "mlflow", "wandb", "csv", "jsonl")
 
 # Keys with a fixed set of values.
 CHOICES = {
@@ -68,6 +70,7 @@ CHOICES = {
     "TRAIN.MIXED_PRECISION": PRECISIONS,
     "TRAIN.RESUME_BATCH": ("global", "per_rank"),
     "DEVICE": DEVICES,
+    "LOG.WANDB.MODE": ("", "online", "offline", "disabled"),
 }
 
 

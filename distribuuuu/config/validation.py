@@ -18,7 +18,7 @@ from typing import Any
 
 from yacs.config import CfgNode
 
-from distribuuuu.config.keys import CHOICES, ConfigError, get_key
+from distribuuuu.config.keys import CHOICES, TRACKERS, ConfigError, get_key
 
 # Longest DIST.INIT_TIMEOUT in seconds (7 days): far beyond any start-up.
 MAX_INIT_TIMEOUT = 7 * 24 * 3600
@@ -79,6 +79,7 @@ _RANGES = {
     "OPTIM.LAYER_DECAY": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)"),
     "OPTIM.LARS_ETA": (lambda v: v > 0, "must be > 0"),
     "OPTIM.REFERENCE_BATCH": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "LOG.CLOSE_TIMEOUT": (lambda v: v >= 0, "must be >= 0 seconds"),
     "OPTIM.MOMENTUM": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "OPTIM.DAMPENING": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "OPTIM.WARMUP_FACTOR": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
@@ -488,6 +489,15 @@ def _validate_deepspeed(cfg: CfgNode) -> None:
         )
 
 
+def _validate_log(cfg: CfgNode) -> None:
+    """LOG.TRACKERS: known trackers, each once."""
+    trackers = cfg.LOG.TRACKERS
+    for name in trackers:
+        _choice("LOG.TRACKERS", name, TRACKERS)
+    twice = sorted({name for name in trackers if trackers.count(name) > 1})
+    _check(not twice, "LOG.TRACKERS", trackers, f"lists {', '.join(twice)} twice")
+
+
 def validate_cfg(cfg: CfgNode) -> None:
     """Check values and cross-key invariants; resolve DATA.NAME in place."""
     _validate_values(cfg)
@@ -498,3 +508,4 @@ def validate_cfg(cfg: CfgNode) -> None:
     _validate_distill(cfg)
     _validate_compile(cfg)
     _validate_data(cfg)
+    _validate_log(cfg)
