@@ -29,9 +29,18 @@ setup(
     extras_require={
         # timm and DeepSpeed too, so that the tests of their parts run
         # instead of skipping.
-        "dev": ["pytest>=7", "pytest-xdist>=3", "ruff==0.17.6", "timm", "deepspeed"],
+        "dev": [
+            "pytest>=7",
+            "pytest-xdist>=3",
+            "ruff==0.17.6",
+            "timm",
+            "deepspeed",
+            "webdataset",
+        ],
         "timm": ["timm"],
         "deepspeed": ["deepspeed"],
+        # DATA.NAME webdataset and tools/make_shards.py (distribuuuu-shards).
+        "webdataset": ["webdataset"],
     },
     entry_points={
         "console_scripts": [
@@ -40,6 +49,7 @@ setup(
             "distribuuuu-export=distribuuuu.tools.export:main",
             "distribuuuu-predict=distribuuuu.tools.predict:main",
             "distribuuuu-average=distribuuuu.tools.average_checkpoints:main",
+            "distribuuuu-shards=distribuuuu.tools.make_shards:main",
         ],
     },
 )

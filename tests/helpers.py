@@ -5,6 +5,7 @@ uses, and readers of what a run writes."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -156,14 +157,18 @@ def torchrun(nproc: int, *args: str, timeout: float = 300):
     return run_command(cmd, timeout=timeout)
 
 
-def import_train_net():
-    """tools/train_net.py imported as a module."""
+def import_tool(name: str):
+    """tools/<name>.py imported as a module."""
     sys.path.insert(0, os.path.join(REPO, "tools"))
     try:
-        import train_net as module
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return module
+
+
+def import_train_net():
+    """tools/train_net.py imported as a module."""
+    return import_tool("train_net")
 
 
 def call_main(*args: str) -> subprocess.CompletedProcess:
