@@ -118,6 +118,9 @@ def test_evaluation_reads_every_sample_once(digits, world, workers):
         assert sum(1 for _ in loader) == len(loader)
     assert len(seen) == 1000 and sorted(seen) == expected
     assert max(batches) - min(batches) <= 1
+    # What evaluate() gives sharded models as the empty forwards that even out
+    # the batch counts: an image of the evaluation's shape.
+    assert loader.dataset[0][0].shape == (3, 28, 28)
 
 
 def _numbered(digits, rank: int, world: int, workers: int, batch: int):
@@ -229,6 +232,10 @@ def test_patterns_and_readers_are_checked_before_training(digits, tmp_path):
     assert "only local shard files" in refused(str(tmp_path / "b"), *RECIPE, *piped)
     line = refused(str(tmp_path / "c"), *RECIPE, *keys, "TRAIN.WORKERS", "5")
     assert "4 shards for 1 processes x 5 loader workers" in line
+    line = refused(str(tmp_path / "d"), *RECIPE, *keys, "TRAIN.BATCH_SIZE", "501")
+    assert "more than the 500 training images" in line
+    line = refused(str(tmp_path / "e"), *RECIPE, *keys, "DATA.REPEATED_AUG", "2")
+    assert line.startswith("error: DATA.REPEATED_AUG 2 is invalid")
 
 
 @pytest.mark.parametrize("skip", [False, True])

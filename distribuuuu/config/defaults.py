@@ -102,10 +102,10 @@ _C.DATA.NAME = "auto"
 _C.DATA.DOWNLOAD = False
 # Number of [train, val] images of the synthetic data set
 _C.DATA.SYNTHETIC_SIZE = [512, 128]
-# What an image file that cannot be read does (imagefolder, webdataset, where
-# another readable sample stands in): False stops the run
-# with an error naming the file; True serves the next readable image of the split
-# in its place and logs a warning naming the file (once per process). Files are
+# What an image file that cannot be read does (imagefolder, webdataset): False
+# stops the run with an error naming the file; True serves the next readable
+# image of the split in its place (webdataset: the reader's previous readable
+# sample) and logs a warning naming the file (once per process). Files are
 # checked as they are loaded, never decoded up front, so start-up stays fast
 _C.DATA.SKIP_CORRUPT = False
 # How imagefolder files are decoded: tensor (torchvision.io to a uint8 tensor,

@@ -416,6 +416,13 @@ def _validate_data(cfg: CfgNode) -> None:
         cfg.MODEL.NUM_CLASSES,
         f"{name} has {classes} classes",
     )
+    _check(
+        name != "webdataset" or cfg.DATA.REPEATED_AUG == 1,
+        "DATA.REPEATED_AUG",
+        cfg.DATA.REPEATED_AUG,
+        "webdataset streams each reader's shards once an epoch; repeated "
+        "augmentation needs a sampler (DATA.NAME imagefolder)",
+    )
     _check_data_paths(cfg, name)
     cfg.DATA.NAME = name
 

@@ -176,8 +176,9 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
         _check_class_count(key, path, len(dataset.classes), cfg.MODEL.NUM_CLASSES)
         return ds.SkipUnreadable(dataset) if cfg.DATA.SKIP_CORRUPT else dataset
     if name == "webdataset":
-        key = "TRAIN.DATASET" if train else "TEST.DATASET"
-        shards = open_shards(cfg[key.split(".")[0]].DATASET, key)
+        section = "TRAIN" if train else "TEST"
+        key = f"{section}.DATASET"
+        shards = open_shards(cfg[section].DATASET, key)
         _check_class_count(key, shards.paths[0], len(shards.classes),
                            cfg.MODEL.NUM_CLASSES)  # fmt: skip
         decoder = ShardDecoder(shards, transform, _decode_bytes(cfg),
@@ -316,8 +317,9 @@ def build_train_loader(
     seed: int,
     device: torch.device,
     batch_size: int,
-) -> DataLoader:
-    """Shuffled, sharded training loader of ``batch_size`` per rank.
+) -> DataLoader | ShardLoader:
+    """Shuffled, sharded training loader of ``batch_size`` per rank (for
+    WebDataset shards a :class:`ShardLoader`, with the same interface).
 
     Call ``loader.sampler.set_epoch(epoch, start)`` before each epoch. The
     last incomplete batch of a rank is dropped, so that every optimizer step
@@ -344,7 +346,7 @@ def build_train_loader(
 
 def build_test_loader(
     cfg: CfgNode, dataset: Dataset, rank: int, world_size: int, device: torch.device
-) -> DataLoader:
+) -> DataLoader | ShardLoader:
     """Evaluation loader that visits every sample exactly once across ranks."""
     if isinstance(dataset, ShardedImages):
         stream = EvalStream(dataset, rank, world_size, cfg.TEST.BATCH_SIZE,

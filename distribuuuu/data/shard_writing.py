@@ -109,9 +109,10 @@ def _tar_bytes(members: dict[str, bytes]) -> int:
 
 
 def _shard_groups(
-    samples: list[SourceSample], limits: ShardLimits
+    samples: list[tuple[int, str, int, Callable[[], tuple[bytes, str]]]],
+    limits: ShardLimits,
 ) -> Iterator[list[tuple[str, dict[str, bytes]]]]:
-    """Samples as tar members, grouped into shards within ``limits``."""
+    """Numbered samples as tar members, grouped into shards within ``limits``."""
     group, size = [], 0
     for number, name, label, read in samples:
         data, suffix = read()

@@ -49,7 +49,7 @@ INDEX_FILE = "index.json"
 CLASSES_FILE = "classes.txt"
 # Member suffixes read as the image of a sample (torchvision's image extensions).
 IMAGE_SUFFIXES = tuple(ext.lstrip(".") for ext in IMG_EXTENSIONS)
-# The largest tar member read (a whole member is held in memory), and the
+# The most bytes of one sample read (its members are held in memory), and the
 # largest index or class list read.
 MAX_MEMBER_BYTES = 256 << 20
 MAX_LIST_BYTES = 64 << 20
@@ -199,8 +199,9 @@ def open_shards(pattern: str, key: str) -> ShardSet:
 def read_shard(path: str, key: str, skip: int = 0) -> Iterator[RawSample]:
     """The samples of the shard at ``path`` in order, from the ``skip``-th:
     members grouped by key (the name before the first dot of the file name,
-    webdataset's convention).  Members of skipped samples are not read.
-    Links and folders in the tar are ignored, never followed.
+    webdataset's convention).  Only the images and labels are read, at most
+    MAX_MEMBER_BYTES a sample; nothing of skipped samples.  Links and
+    folders in the tar are ignored, never followed.
     """
     position, current, members = -1, None, {}
     try:
@@ -214,18 +215,23 @@ def read_shard(path: str, key: str, skip: int = 0) -> Iterator[RawSample]:
                     if current is not None and position >= skip:
                         yield path, current, members
                     position, current, members = position + 1, prefix, {}
-                if position < skip:
+                suffix = suffix.lower()
+                if position < skip or not _wanted_member(suffix):
                     continue
-                if info.size > MAX_MEMBER_BYTES:
+                if sum(map(len, members.values())) + info.size > MAX_MEMBER_BYTES:
                     raise DataError(
-                        f"{key}: shard {path}: member {info.name} has {info.size} "
-                        f"bytes, more than the {MAX_MEMBER_BYTES} read for one file"
+                        f"{key}: shard {path}: sample {prefix} has more than the "
+                        f"{MAX_MEMBER_BYTES} bytes read for one sample"
                     )
-                members[suffix.lower()] = tar.extractfile(info).read()
+                members[suffix] = tar.extractfile(info).read()
     except (tarfile.TarError, OSError) as error:
         raise DataError(f"{key}: shard {path} is damaged: {error}") from error
     if current is not None and position >= skip:
         yield path, current, members
+
+
+def _wanted_member(suffix: str) -> bool:
+    return suffix == "cls" or suffix in IMAGE_SUFFIXES
 
 
 def read_range(shards: ShardSet, begin: int, end: int) -> Iterator[RawSample]:
