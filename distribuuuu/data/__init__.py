@@ -16,12 +16,10 @@ from distribuuuu.config import resolve_data_name
 from distribuuuu.data import datasets as ds
 from distribuuuu.data.datasets import DataError, count_images, find_image_files
 from distribuuuu.data.samplers import ExactShardSampler, ResumableTrainSampler
+from distribuuuu.data.shard_streams import EvalStream, ShardLoader, TrainStream
 from distribuuuu.data.shards import (
-    EvalStream,
     ShardDecoder,
     ShardedImages,
-    ShardLoader,
-    TrainStream,
     open_shards,
     shortage_message,
 )

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from PIL import Image
-from webdataset import TarWriter
 
 from distribuuuu.data.datasets import (
     DataError,
@@ -25,7 +24,12 @@ from distribuuuu.data.datasets import (
     find_image_files,
     load_mnist5k,
 )
-from distribuuuu.data.shards import CLASSES_FILE, IMAGE_SUFFIXES, INDEX_FILE
+from distribuuuu.data.shards import (
+    CLASSES_FILE,
+    IMAGE_SUFFIXES,
+    INDEX_FILE,
+    NEEDS_WEBDATASET,
+)
 
 # A source sample: a name (for messages), its label and what reads its bytes.
 SourceSample = tuple[str, int, Callable[[], tuple[bytes, str]]]
@@ -136,6 +140,10 @@ def write_split(
 ) -> dict[str, dict[str, int]]:
     """Write the samples of one split as ``out/<split>-000000.tar`` ...;
     the index entries of the shards written."""
+    try:
+        from webdataset import TarWriter
+    except ImportError as error:
+        raise DataError(NEEDS_WEBDATASET) from error
     order = [(number, *sample) for number, sample in enumerate(samples)]
     random.Random(seed).shuffle(order)  # keys: the numbers in the source
     entries = {}

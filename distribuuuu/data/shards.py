@@ -7,41 +7,26 @@ them ``classes.txt`` (the class names, one a line, in label order) and
 ``index.json`` (``{"shards": {"<file name>": {"samples": n, "bytes": b}}}``).
 The index gives every rank the sample counts without opening a shard.
 
-Training (:class:`TrainStream`): each epoch the shards are dealt out in an
-order drawn from the run's seed and the epoch, to ``processes x loader
-workers`` readers, each shard to the reader furthest below its share of the
-epoch; a reader reads its shards in turn, shuffles within a buffer, and takes
-exactly the samples of its share of the epoch's steps: an epoch has
-floor(samples / (processes x batch)) steps on every process; a reader with
-more samples drops the rest of its stream, one with fewer reads its shards
-again (in another order): only what whole shards cannot even out.
-Evaluation (:class:`EvalStream`) reads every sample once: process r takes
-the contiguous samples [N r / W, N (r+1) / W) of the shards in pattern
-order, passing over (unread) what comes before its range in its first shard.
+The streams that read them are in :mod:`distribuuuu.data.shard_streams`.
 """
 
 from __future__ import annotations
 
 import collections
-import heapq
 import itertools
 import json
 import logging
 import os
-import random
 import tarfile
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from braceexpand import braceexpand
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
-from webdataset.tariterators import base_plus_ext
 
 from distribuuuu.data.datasets import DataError
-from distribuuuu.data.samplers import sample_seed
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +36,14 @@ CLASSES_FILE = "classes.txt"
 IMAGE_SUFFIXES = tuple(ext.lstrip(".") for ext in IMG_EXTENSIONS)
 # The most bytes of one sample read (its members are held in memory), and the
 # largest index or class list read.
-MAX_MEMBER_BYTES = 256 << 20
+MAX_SAMPLE_BYTES = 256 << 20
 MAX_LIST_BYTES = 64 << 20
+
+# Installed with the webdataset extra, which DATA.NAME webdataset needs.
+NEEDS_WEBDATASET = (
+    "DATA.NAME webdataset and make_shards need the webdataset package: "
+    "pip install -e '.[webdataset]'"
+)
 
 # (shard path, sample key, {suffix: bytes}) as a shard holds it.
 RawSample = tuple[str, str, dict[str, bytes]]
@@ -99,6 +90,10 @@ def expand_pattern(pattern: str, key: str) -> list[str]:
             f"{key} {pattern}: only local shard files are read (no pipe: or URLs); "
             "copy the shards to a file system every node mounts"
         )
+    try:  # a dependency of webdataset
+        from braceexpand import braceexpand
+    except ImportError as error:
+        raise DataError(NEEDS_WEBDATASET) from error
     paths = list(braceexpand(pattern))
     repeated = sorted(path for path, n in collections.Counter(paths).items() if n > 1)
     if repeated:
@@ -200,9 +195,13 @@ def read_shard(path: str, key: str, skip: int = 0) -> Iterator[RawSample]:
     """The samples of the shard at ``path`` in order, from the ``skip``-th:
     members grouped by key (the name before the first dot of the file name,
     webdataset's convention).  Only the images and labels are read, at most
-    MAX_MEMBER_BYTES a sample; nothing of skipped samples.  Links and
+    MAX_SAMPLE_BYTES a sample; nothing of skipped samples.  Links and
     folders in the tar are ignored, never followed.
     """
+    try:  # webdataset's rule: the key is the name up to the first dot
+        from webdataset.tariterators import base_plus_ext
+    except ImportError as error:
+        raise DataError(NEEDS_WEBDATASET) from error
     position, current, members = -1, None, {}
     try:
         with tarfile.open(path, "r:") as tar:
@@ -218,16 +217,22 @@ def read_shard(path: str, key: str, skip: int = 0) -> Iterator[RawSample]:
                 suffix = suffix.lower()
                 if position < skip or not _wanted_member(suffix):
                     continue
-                if sum(map(len, members.values())) + info.size > MAX_MEMBER_BYTES:
+                if sum(map(len, members.values())) + info.size > MAX_SAMPLE_BYTES:
                     raise DataError(
                         f"{key}: shard {path}: sample {prefix} has more than the "
-                        f"{MAX_MEMBER_BYTES} bytes read for one sample"
+                        f"{MAX_SAMPLE_BYTES} bytes read for one sample"
                     )
                 members[suffix] = tar.extractfile(info).read()
     except (tarfile.TarError, OSError) as error:
         raise DataError(f"{key}: shard {path} is damaged: {error}") from error
     if current is not None and position >= skip:
         yield path, current, members
+
+
+def read_whole(shards: ShardSet, shard: int) -> Iterator[RawSample]:
+    """Every sample of shard number ``shard``, as many as the index lists."""
+    path, count = shards.paths[shard], shards.counts[shard]
+    return _counted(read_shard(path, shards.key), count, path, shards.key, count)
 
 
 def _wanted_member(suffix: str) -> bool:
@@ -339,157 +344,6 @@ class ShardedImages(Dataset):
         return next(self.decoder.readable(read_range(self.shards, index, len(self))))
 
 
-def _collate(samples: list[tuple[torch.Tensor, int]]):
-    images, labels = zip(*samples)
-    return torch.stack(images), torch.tensor(labels, dtype=torch.int64)
-
-
-def _batched(samples: Iterator, size: int) -> Iterator:
-    while batch := list(itertools.islice(samples, size)):
-        yield _collate(batch)
-
-
-def _reader(workers: int) -> int:
-    """This loader worker's number, checking the count the plan assumed."""
-    info = get_worker_info()
-    count, worker = (1, 0) if info is None else (info.num_workers, info.id)
-    if count != max(1, workers):
-        raise RuntimeError(f"planned for {workers} loader workers, got {count}")
-    return worker
-
-
-def shuffled(items: Iterator, size: int, rng: random.Random) -> Iterator:
-    """``items`` in an order shuffled within a buffer of ``size``; all of them."""
-    buffer = []
-    for item in items:
-        if len(buffer) < size:
-            buffer.append(item)
-            continue
-        slot = rng.randrange(size)
-        yield buffer[slot]
-        buffer[slot] = item
-    rng.shuffle(buffer)
-    yield from buffer
-
-
-def deal_shards(
-    counts: tuple[int, ...], wanted: list[int], seed: int
-) -> list[list[int]]:
-    """The shards of each reader: in a random order from ``seed``, each to
-    the reader furthest below the samples it wants (the lowest on ties)."""
-    order = torch.randperm(len(counts), generator=torch.Generator().manual_seed(seed))
-    short = [(-want, reader) for reader, want in enumerate(wanted)]
-    heapq.heapify(short)
-    dealt: list[list[int]] = [[] for _ in wanted]
-    for shard in order.tolist():
-        below, reader = heapq.heappop(short)
-        dealt[reader].append(shard)
-        heapq.heappush(short, (below + counts[shard], reader))
-    return dealt
-
-
-class TrainStream(IterableDataset):
-    """The training batches of one process, read from shards (module doc).
-
-    ``set_epoch(epoch, start)`` as the samplers: ``start`` global samples
-    of the epoch are done, so each reader passes over (reads, does not
-    decode) the samples of the steps done before taking the next.  The
-    same world size, TRAIN.WORKERS and batch give the very batches an
-    uninterrupted run takes; others skip as many steps of the new layout's
-    streams.  Augmentation is seeded by (seed, epoch, sample number), as
-    the samplers seed it by (seed, epoch, index): shards that make_shards
-    wrote from a folder draw the crops ``DATA.NAME imagefolder`` draws.
-    """
-
-    def __init__(self, images: ShardedImages, rank: int, world_size: int,
-                 seed: int, batch_size: int, workers: int, buffer: int):  # fmt: skip
-        self.images, self.rank, self.world_size = images, rank, world_size
-        self.seed, self.batch_size, self.buffer = seed, batch_size, buffer
-        self.workers = max(1, workers)
-        self.epoch, self.start = 0, 0
-        self.steps = images.shards.total // (batch_size * world_size)
-        shards = len(images.shards.paths)
-        readers = world_size * self.workers
-        if shards < readers:
-            raise DataError(shortage_message(images.shards, world_size, workers))
-        if self.steps == 0:
-            raise DataError(
-                f"{images.shards.key}: {images.shards.total} training samples, fewer "
-                f"than a batch of {batch_size} on each of {world_size} processes"
-            )
-        self._logged: set[tuple[int, int]] = set()
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
-        if (epoch, start) not in self._logged:  # precise BN sets it again
-            self._logged.add((epoch, start))
-            self._log_plan()
-
-    def _done(self) -> int:
-        """Batches of this process before ``start``."""
-        return self.start // (self.batch_size * self.world_size)
-
-    def __len__(self) -> int:
-        """Samples this process takes in the rest of the epoch."""
-        return (self.steps - self._done()) * self.batch_size
-
-    def _wanted(self, worker: int, batches: int) -> int:
-        """Samples reader ``worker`` of this process serves in ``batches`` batches."""
-        return len(range(worker, batches, self.workers)) * self.batch_size
-
-    def _dealt(self) -> list[list[int]]:
-        """The shards of every reader (rank r's worker w is r x workers + w)."""
-        readers = range(self.world_size * self.workers)
-        wanted = [self._wanted(reader % self.workers, self.steps) for reader in readers]
-        return deal_shards(self.images.shards.counts, wanted, self.seed + self.epoch)
-
-    def _log_plan(self) -> None:
-        counts, dropped, repeated = self.images.shards.counts, 0, 0
-        for reader, shards in enumerate(self._dealt()):
-            has = sum(counts[shard] for shard in shards)
-            wanted = self._wanted(reader % self.workers, self.steps)
-            dropped += max(0, has - wanted)
-            repeated += max(0, wanted - has)
-        where = f"after {self._done()} batches" if self.start else "from the start"
-        logger.info(
-            "webdataset epoch %d: %d steps of %d samples on each of %d processes "
-            "from %d shards, %d readers (processes x loader workers); %d samples "
-            "dropped (the ends of readers' shuffled streams), %d read again "
-            "(readers short of samples); %s",
-            self.epoch, self.steps, self.batch_size, self.world_size,
-            len(counts), self.world_size * self.workers, dropped, repeated,
-            where,
-        )  # fmt: skip
-
-    def _stream(self, shards: list[int], rng: random.Random) -> Iterator[RawSample]:
-        """A reader's samples: its shards, then again in new orders, each
-        pass shuffled within the buffer."""
-        images = self.images.shards
-        for repeat in itertools.count():
-            order = shards if repeat == 0 else rng.sample(shards, len(shards))
-            raws = itertools.chain.from_iterable(
-                _counted(read_shard(images.paths[shard], images.key),
-                         images.counts[shard], images.paths[shard], images.key,
-                         images.counts[shard])
-                for shard in order
-            )  # fmt: skip
-            yield from shuffled(raws, self.buffer, rng)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        worker = _reader(self.workers)
-        reader = self.rank * self.workers + worker
-        rng = random.Random(sample_seed(self.seed, self.epoch, reader))
-        wanted = self._wanted(worker, self.steps)
-        skip = self._wanted(worker, self._done())
-        stream = itertools.islice(self._stream(self._dealt()[reader], rng), wanted)
-        taken = itertools.islice(stream, skip, None)
-
-        def seed(number: int) -> int:
-            return sample_seed(self.seed, self.epoch, number)
-
-        yield from _batched(self.images.decoder.readable(taken, seed), self.batch_size)
-
-
 def shortage_message(shards: ShardSet, world_size: int, workers: int) -> str:
     """Why ``shards`` cannot feed ``world_size`` processes of ``workers``."""
     readers = world_size * max(1, workers)
@@ -499,53 +353,3 @@ def shortage_message(shards: ShardSet, world_size: int, workers: int) -> str:
         "reads whole shards of its own; write at least that many shards "
         "(distribuuuu-shards --samples N) or lower TRAIN.WORKERS"
     )
-
-
-class EvalStream(IterableDataset):
-    """The evaluation batches of one process: samples [N r / W, N (r+1) / W)
-    of the shards, split among the loader workers by whole batches; every
-    sample of the set once over all processes."""
-
-    def __init__(self, images: ShardedImages, rank: int, world_size: int,
-                 batch_size: int, workers: int):  # fmt: skip
-        total = images.shards.total
-        self.images, self.batch_size = images, batch_size
-        self.begin = total * rank // world_size
-        self.end = total * (rank + 1) // world_size
-        self.workers = max(1, workers)
-
-    def batches(self) -> int:
-        return -(-(self.end - self.begin) // self.batch_size)
-
-    def __len__(self) -> int:
-        return self.end - self.begin
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        worker, batches = _reader(self.workers), self.batches()
-        first = batches * worker // self.workers
-        last = batches * (worker + 1) // self.workers
-        begin = self.begin + first * self.batch_size
-        end = min(self.end, self.begin + last * self.batch_size)
-        samples = self.images.decoder.readable(
-            read_range(self.images.shards, begin, end)
-        )
-        yield from _batched(samples, self.batch_size)
-
-
-class ShardLoader:
-    """Batches of a shard stream with the interface of our other loaders:
-    ``len()`` in batches, ``sampler.set_epoch(epoch, start)`` (the stream),
-    ``dataset`` (the samples, by position).  Each iteration starts a
-    DataLoader over the stream, whose workers copy its epoch."""
-
-    def __init__(self, stream: TrainStream | EvalStream, options: dict):
-        self.sampler, self.dataset = stream, stream.images
-        self.options = {**options, "persistent_workers": False}
-
-    def __len__(self) -> int:
-        if isinstance(self.sampler, EvalStream):
-            return self.sampler.batches()
-        return len(self.sampler) // self.sampler.batch_size
-
-    def __iter__(self):
-        return iter(DataLoader(self.sampler, batch_size=None, **self.options))
