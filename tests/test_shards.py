@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import io
 import os
+import shutil
 import tarfile
 
 import pytest
@@ -163,9 +164,11 @@ def test_training_ranks_read_disjoint_shards_and_take_equal_steps(digits):
 def test_mid_epoch_resume_takes_the_remaining_batches(digits):
     loader = _numbered(digits, 1, 2, 2, 50)
     whole = _epoch(loader, 3)
-    # 2 steps done (2 x 50 x 2 samples of the epoch): the other 3 follow.
-    assert len(loader) == 5 and _epoch(loader, 3, 200) == whole[2:]
-    assert len(loader) == 3
+    # 3 steps done (3 x 50 x 2 samples of the epoch): the other 2 follow, in
+    # order (the loader's worker 0 now serves the reader of worker 1).
+    assert len(loader) == 5 and _epoch(loader, 3, 300) == whole[3:]
+    assert len(loader) == 2
+    assert _epoch(loader, 3, 200) == whole[2:]
 
 
 def test_max_side_caps_the_shorter_side_and_copies_the_rest(tmp_path):
@@ -288,3 +291,32 @@ def test_training_on_shards_matches_the_folder_on_1_and_2_ranks(digits, tmp_path
         assert abs(folder["top1"] - shards["top1"]) <= 0.5, (world, folder, shards)
         assert shards["top1"] > 20  # it learns (4 full-batch steps)
     assert "0 samples dropped" in read_text(str(tmp_path), "shards2", "log.txt")
+
+
+def _final_weights(out_dir: str) -> dict:
+    last = read_text(out_dir, "checkpoints", "last").strip()
+    return torch.load(os.path.join(out_dir, "checkpoints", last), weights_only=True)[
+        "model"
+    ]
+
+
+def test_a_run_resumed_mid_epoch_ends_with_the_same_weights(digits, tmp_path):
+    """10 steps of 50 from the shards with 2 loader workers, a checkpoint
+    every 5; resumed from the one after step 5, the run ends bit for bit
+    where the uninterrupted one did."""
+    keys = [*shard_keys(digits), "TRAIN.BATCH_SIZE", "50", "OPTIM.MAX_EPOCH", "1",
+            "TRAIN.WORKERS", "2", "CHECKPOINT.PERIOD_ITERS", "5"]  # fmt: skip
+    reference, resumed = str(tmp_path / "reference"), str(tmp_path / "resumed")
+    _train_in_process(reference, *keys)
+    shutil.copytree(reference, resumed)
+    checkpoints = os.path.join(resumed, "checkpoints")
+    for name in os.listdir(checkpoints):
+        if name.startswith("ckpt_") and name != "ckpt_ep_0000_it_0005.pth":
+            os.remove(os.path.join(checkpoints, name))
+    with open(os.path.join(checkpoints, "last"), "w", encoding="utf-8") as f:
+        f.write("ckpt_ep_0000_it_0005.pth\n")
+    _train_in_process(resumed, *keys)
+    log = read_text(resumed, "log.txt")
+    assert "resumed from" in log and "after 5 batches" in log
+    expected, actual = _final_weights(reference), _final_weights(resumed)
+    assert all(torch.equal(expected[key], actual[key]) for key in expected)

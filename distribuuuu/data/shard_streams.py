@@ -171,11 +171,14 @@ class TrainStream(IterableDataset):
             yield from shuffled(raws, self.buffer, rng)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        worker = _reader(self.workers)
-        reader = self.rank * self.workers + worker
+        # The loader takes batches from its workers in turn, from worker 0:
+        # after ``done`` batches, worker w plays the part of the reader whose
+        # turn it is, (w + done) mod workers, as in the uninterrupted run.
+        slot = (_reader(self.workers) + self._done()) % self.workers
+        reader = self.rank * self.workers + slot
         rng = random.Random(sample_seed(self.seed, self.epoch, reader))
-        wanted = self._wanted(worker, self.steps)
-        skip = self._wanted(worker, self._done())
+        wanted = self._wanted(slot, self.steps)
+        skip = self._wanted(slot, self._done())
         stream = itertools.islice(self._stream(self._dealt()[reader], rng), wanted)
         taken = itertools.islice(stream, skip, None)
 
