@@ -208,6 +208,24 @@ def read_metrics(out_dir: str, split: str | None = None) -> list[dict]:
     return [r for r in records if split is None or r.get("split") == split]
 
 
+def last_checkpoint_weights(out_dir: str) -> dict:
+    """The model weights of the checkpoint ``OUT_DIR/checkpoints/last`` names."""
+    last = read_text(out_dir, "checkpoints", "last").strip()
+    path = os.path.join(out_dir, "checkpoints", last)
+    return torch.load(path, weights_only=True)["model"]
+
+
+def keep_only_checkpoint(out_dir: str, name: str) -> None:
+    """Delete every training checkpoint of ``out_dir`` but ``name``, which
+    ``last`` then names: the run stopped there."""
+    checkpoints = os.path.join(out_dir, "checkpoints")
+    for other in os.listdir(checkpoints):
+        if other.startswith("ckpt_") and other != name:
+            os.remove(os.path.join(checkpoints, other))
+    with open(os.path.join(checkpoints, "last"), "w", encoding="utf-8") as f:
+        f.write(f"{name}\n")
+
+
 def assert_ok(result: subprocess.CompletedProcess) -> None:
     """Fail with the command's output when it did not exit 0."""
     assert result.returncode == 0, (

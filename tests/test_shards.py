@@ -15,6 +15,8 @@ import torch
 from helpers import (
     assert_ok,
     import_tool,
+    keep_only_checkpoint,
+    last_checkpoint_weights,
     read_metrics,
     read_text,
     refused,
@@ -293,13 +295,6 @@ def test_training_on_shards_matches_the_folder_on_1_and_2_ranks(digits, tmp_path
     assert "0 samples dropped" in read_text(str(tmp_path), "shards2", "log.txt")
 
 
-def _final_weights(out_dir: str) -> dict:
-    last = read_text(out_dir, "checkpoints", "last").strip()
-    return torch.load(os.path.join(out_dir, "checkpoints", last), weights_only=True)[
-        "model"
-    ]
-
-
 def test_a_run_resumed_mid_epoch_ends_with_the_same_weights(digits, tmp_path):
     """10 steps of 50 from the shards with 2 loader workers, a checkpoint
     every 5; resumed from the one after step 5, the run ends bit for bit
@@ -309,14 +304,10 @@ def test_a_run_resumed_mid_epoch_ends_with_the_same_weights(digits, tmp_path):
     reference, resumed = str(tmp_path / "reference"), str(tmp_path / "resumed")
     _train_in_process(reference, *keys)
     shutil.copytree(reference, resumed)
-    checkpoints = os.path.join(resumed, "checkpoints")
-    for name in os.listdir(checkpoints):
-        if name.startswith("ckpt_") and name != "ckpt_ep_0000_it_0005.pth":
-            os.remove(os.path.join(checkpoints, name))
-    with open(os.path.join(checkpoints, "last"), "w", encoding="utf-8") as f:
-        f.write("ckpt_ep_0000_it_0005.pth\n")
+    keep_only_checkpoint(resumed, "ckpt_ep_0000_it_0005.pth")
     _train_in_process(resumed, *keys)
     log = read_text(resumed, "log.txt")
     assert "resumed from" in log and "after 5 batches" in log
-    expected, actual = _final_weights(reference), _final_weights(resumed)
+    expected = last_checkpoint_weights(reference)
+    actual = last_checkpoint_weights(resumed)
     assert all(torch.equal(expected[key], actual[key]) for key in expected)
