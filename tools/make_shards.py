@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--bytes",
         type=int,
         default=0,
-        help="at most this many bytes a shard (0: no limit)",
+        help="at most this many bytes of samples a shard, their tar headers "
+        "included (the end of a tar adds up to 10 KiB; 0: no limit)",
     )
     parser.add_argument(
         "--max-side",
@@ -80,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the sample order (default 0)"
     )
-    cli.add_debug_option(parser)  # fmt: skip
+    cli.add_debug_option(parser)
     args = parser.parse_args(argv)
     if min(args.samples, args.bytes, args.max_side) < 0:
         parser.error("--samples, --bytes and --max-side take counts >= 0")

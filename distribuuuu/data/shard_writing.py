@@ -40,7 +40,7 @@ class ShardLimits:
     """When a shard is full, and how images are re-encoded."""
 
     samples: int = 1000  # samples a shard (0: no limit)
-    bytes: int = 0  # bytes a shard, tar headers included (0: no limit)
+    bytes: int = 0  # bytes of samples a shard, tar headers included (0: no limit)
     max_side: int = 0  # re-encode images whose shorter side is longer (0: never)
     quality: int = 90  # JPEG quality of re-encoded images
 
