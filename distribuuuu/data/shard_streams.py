@@ -5,8 +5,8 @@ Training (:class:`TrainStream`): each epoch the shards are dealt out in an
 order drawn from the run's seed and the epoch, to ``processes x loader
 workers`` readers, each shard to the reader furthest below its share of the
 epoch; a reader reads its shards in turn, shuffles within a buffer, and takes
-exactly the samples of its share of the epoch's steps: an epoch has
-floor(samples / (processes x batch)) steps on every process; a reader with
+exactly the samples of its share of the epoch's batches: an epoch has
+floor(samples / (processes x batch)) batches on every process; a reader with
 more samples drops the rest of its stream, one with fewer reads its shards
 again (in another order): only what whole shards cannot even out.
 Evaluation (:class:`EvalStream`) reads every sample once: process r takes
@@ -106,12 +106,12 @@ class TrainStream(IterableDataset):
         self.seed, self.batch_size, self.buffer = seed, batch_size, buffer
         self.workers = max(1, workers)
         self.epoch, self.start = 0, 0
-        self.steps = images.shards.total // (batch_size * world_size)
+        self.batches = images.shards.total // (batch_size * world_size)
         shards = len(images.shards.paths)
         readers = world_size * self.workers
         if shards < readers:
             raise DataError(shortage_message(images.shards, world_size, workers))
-        if self.steps == 0:
+        if self.batches == 0:
             raise DataError(
                 f"{images.shards.key}: {images.shards.total} training samples, fewer "
                 f"than a batch of {batch_size} on each of {world_size} processes"
@@ -130,7 +130,7 @@ class TrainStream(IterableDataset):
 
     def __len__(self) -> int:
         """Samples this process takes in the rest of the epoch."""
-        return (self.steps - self._done()) * self.batch_size
+        return (self.batches - self._done()) * self.batch_size
 
     def _wanted(self, worker: int, batches: int) -> int:
         """Samples reader ``worker`` of this process serves in ``batches`` batches."""
@@ -139,23 +139,23 @@ class TrainStream(IterableDataset):
     def _dealt(self) -> list[list[int]]:
         """The shards of every reader (rank r's worker w is r x workers + w)."""
         readers = range(self.world_size * self.workers)
-        wanted = [self._wanted(reader % self.workers, self.steps) for reader in readers]
+        wanted = [self._wanted(r % self.workers, self.batches) for r in readers]
         return deal_shards(self.images.shards.counts, wanted, self.seed + self.epoch)
 
     def _log_plan(self) -> None:
         counts, dropped, repeated = self.images.shards.counts, 0, 0
         for reader, shards in enumerate(self._dealt()):
             has = sum(counts[shard] for shard in shards)
-            wanted = self._wanted(reader % self.workers, self.steps)
+            wanted = self._wanted(reader % self.workers, self.batches)
             dropped += max(0, has - wanted)
             repeated += max(0, wanted - has)
         where = f"after {self._done()} batches" if self.start else "from the start"
         logger.info(
-            "webdataset epoch %d: %d steps of %d samples on each of %d processes "
+            "webdataset epoch %d: %d batches of %d samples on each of %d processes "
             "from %d shards, %d readers (processes x loader workers); %d samples "
             "dropped (the ends of readers' shuffled streams), %d read again "
             "(readers short of samples); %s",
-            self.epoch, self.steps, self.batch_size, self.world_size,
+            self.epoch, self.batches, self.batch_size, self.world_size,
             len(counts), self.world_size * self.workers, dropped, repeated,
             where,
         )  # fmt: skip
@@ -177,7 +177,7 @@ class TrainStream(IterableDataset):
         slot = (_reader(self.workers) + self._done()) % self.workers
         reader = self.rank * self.workers + slot
         rng = random.Random(sample_seed(self.seed, self.epoch, reader))
-        wanted = self._wanted(slot, self.steps)
+        wanted = self._wanted(slot, self.batches)
         skip = self._wanted(slot, self._done())
         stream = itertools.islice(self._stream(self._dealt()[reader], rng), wanted)
         taken = itertools.islice(stream, skip, None)
