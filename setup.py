@@ -40,6 +40,7 @@ setup(
             "onnxruntime",
             "mlflow",
             "wandb",
+            "webdataset",
         ],
         "timm": ["timm"],
         "deepspeed": ["deepspeed"],
@@ -48,6 +49,8 @@ setup(
         # Experiment trackers (LOG.TRACKERS mlflow, wandb).
         "mlflow": ["mlflow"],
         "wandb": ["wandb"],
+        # DATA.NAME webdataset and tools/make_shards.py (distribuuuu-shards).
+        "webdataset": ["webdataset"],
     },
     entry_points={
         "console_scripts": [
@@ -56,6 +59,7 @@ setup(
             "distribuuuu-export=distribuuuu.tools.export:main",
             "distribuuuu-predict=distribuuuu.tools.predict:main",
             "distribuuuu-average=distribuuuu.tools.average_checkpoints:main",
+            "distribuuuu-shards=distribuuuu.tools.make_shards:main",
         ],
     },
 )

@@ -170,7 +170,7 @@ def check_batch_fits(cfg: CfgNode, world_size: int) -> None:
     ``world_size`` processes gets its share of the training set.  Raises
     ConfigError.
     """
-    from distribuuuu.data import count_images
+    from distribuuuu.data import count_images, count_shard_samples
 
     step = cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS
     name, where = cfg.DATA.NAME, ""
@@ -179,9 +179,14 @@ def check_batch_fits(cfg: CfgNode, world_size: int) -> None:
     elif name == "imagefolder":
         root = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
         images, where = count_images(root, step * world_size), f" in {root}"
+    elif name == "webdataset":
+        images = count_shard_samples(cfg.TRAIN.DATASET)
+        where = f" in {cfg.TRAIN.DATASET}"
     else:
         images = _TRAIN_IMAGES[name]
     per_process = -(-images // world_size)  # the sampler pads to the world size
+    if name == "webdataset":  # whole steps only, on every process
+        per_process = images // world_size
     if per_process < step:
         each = "the one process"
         if world_size > 1:
@@ -222,7 +227,12 @@ def check_inputs(
     from distribuuuu.data import DataError, check_data
 
     try:
-        check_data(cfg)
+        readers = None
+        if cfg.DATA.NAME == "webdataset" and not eval_only:
+            from distribuuuu.strategies import strategy_class
+
+            readers = strategy_class(cfg).replicas(cfg, world_size)
+        check_data(cfg, readers)
     except DataError as error:
         raise ConfigError(str(error)) from error
     if cfg.MODEL.WEIGHTS:

@@ -5,6 +5,7 @@ uses, and readers of what a run writes."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -158,14 +159,18 @@ def torchrun(nproc: int, *args: str, timeout: float = 300):
     return run_command(cmd, timeout=timeout)
 
 
-def import_train_net():
-    """tools/train_net.py imported as a module."""
+def import_tool(name: str):
+    """tools/<name>.py imported as a module."""
     sys.path.insert(0, os.path.join(REPO, "tools"))
     try:
-        import train_net as module
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return module
+
+
+def import_train_net():
+    """tools/train_net.py imported as a module."""
+    return import_tool("train_net")
 
 
 def call_main(*args: str) -> subprocess.CompletedProcess:
@@ -203,6 +208,24 @@ def read_metrics(out_dir: str, split: str | None = None) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
     return [r for r in records if split is None or r.get("split") == split]
+
+
+def last_checkpoint_weights(out_dir: str) -> dict:
+    """The model weights of the checkpoint ``OUT_DIR/checkpoints/last`` names."""
+    last = read_text(out_dir, "checkpoints", "last").strip()
+    path = os.path.join(out_dir, "checkpoints", last)
+    return torch.load(path, weights_only=True)["model"]
+
+
+def keep_only_checkpoint(out_dir: str, name: str) -> None:
+    """Delete every training checkpoint of ``out_dir`` but ``name``, which
+    ``last`` then names: the run stopped there."""
+    checkpoints = os.path.join(out_dir, "checkpoints")
+    for other in os.listdir(checkpoints):
+        if other.startswith("ckpt_") and other != name:
+            os.remove(os.path.join(checkpoints, other))
+    with open(os.path.join(checkpoints, "last"), "w", encoding="utf-8") as f:
+        f.write(f"{name}\n")
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:

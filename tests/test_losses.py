@@ -4,13 +4,19 @@ training and resuming with them."""
 from __future__ import annotations
 
 import math
-import os
 import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_ok, read_metrics, read_text, train_net
+from helpers import (
+    assert_ok,
+    keep_only_checkpoint,
+    last_checkpoint_weights,
+    read_metrics,
+    read_text,
+    train_net,
+)
 
 from distribuuuu.config import get_cfg, load_cfg
 from distribuuuu.logger import setup_logging
@@ -161,9 +167,7 @@ def _train_in_process(out_dir: str, *opts: str) -> dict:
         train_model(load_cfg(None, [*_RECIPE, "OUT_DIR", out_dir, *opts]))
     finally:
         setup_logging(None, 1)  # close the log file, leave no handler behind
-    last = read_text(out_dir, "checkpoints", "last").strip()
-    path = os.path.join(out_dir, "checkpoints", last)
-    return torch.load(path, weights_only=True)["model"]
+    return last_checkpoint_weights(out_dir)
 
 
 def test_resume_with_mixing_is_bitwise_identical_for_any_worker_count(tmp_path):
@@ -171,12 +175,7 @@ def test_resume_with_mixing_is_bitwise_identical_for_any_worker_count(tmp_path):
     expected = _train_in_process(reference)
     # Resume from the checkpoint after 6 of the 12 steps, loading in a worker.
     shutil.copytree(reference, resumed)
-    checkpoints = os.path.join(resumed, "checkpoints")
-    for name in os.listdir(checkpoints):
-        if name.startswith("ckpt_") and name != "ckpt_ep_0000_it_0006.pth":
-            os.remove(os.path.join(checkpoints, name))
-    with open(os.path.join(checkpoints, "last"), "w", encoding="utf-8") as f:
-        f.write("ckpt_ep_0000_it_0006.pth\n")
+    keep_only_checkpoint(resumed, "ckpt_ep_0000_it_0006.pth")
     actual = _train_in_process(resumed, "TRAIN.WORKERS", "1")
     assert "resumed from" in read_text(resumed, "log.txt")
     for key in expected:

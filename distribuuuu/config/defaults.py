@@ -94,16 +94,19 @@ _C.MODEL.CHANNELS_LAST = True
 # Data
 # ---------------------------------------------------------------------------- #
 _C.DATA = CfgNode()
-# Data set: auto | mnist5k | imagefolder | cifar10 | cifar100 | synthetic.
-# auto resolves to imagefolder when TRAIN.DATASET is set, else to mnist5k
+# Data set: auto | mnist5k | imagefolder | webdataset | cifar10 | cifar100 |
+# synthetic. auto resolves to imagefolder when TRAIN.DATASET is set, else to
+# mnist5k; webdataset reads tar shards (tools/make_shards.py) named by brace
+# patterns in TRAIN.DATASET and TEST.DATASET
 _C.DATA.NAME = "auto"
 # Allow torchvision to download CIFAR into TRAIN.DATASET / TEST.DATASET
 _C.DATA.DOWNLOAD = False
 # Number of [train, val] images of the synthetic data set
 _C.DATA.SYNTHETIC_SIZE = [512, 128]
-# What an image file that cannot be read does (imagefolder): False stops the run
-# with an error naming the file; True serves the next readable image of the split
-# in its place and logs a warning naming the file (once per process). Files are
+# What an image file that cannot be read does (imagefolder, webdataset): False
+# stops the run with an error naming the file; True serves the next readable
+# image of the split in its place (webdataset: the reader's previous readable
+# sample) and logs a warning naming the file (once per process). Files are
 # checked as they are loaded, never decoded up front, so start-up stays fast
 _C.DATA.SKIP_CORRUPT = False
 # How imagefolder files are decoded: tensor (torchvision.io to a uint8 tensor,
@@ -133,6 +136,10 @@ _C.DATA.RANDOM_ERASING = 0.0
 # different augmentation each time, on different processes; the epoch keeps its
 # length, so it holds 1/REPEATED_AUG of the distinct images (1 = off; DeiT uses 3)
 _C.DATA.REPEATED_AUG = 1
+# webdataset: samples each training reader (process x loader worker) holds in
+# its shuffle buffer; the order within a reader's shards is shuffled this far
+# (1 = shard order; more holds more encoded images in memory)
+_C.DATA.SHUFFLE_BUFFER = 1000
 
 # ---------------------------------------------------------------------------- #
 # Training
@@ -147,7 +154,8 @@ _C.TRAIN.IM_SIZE = 28
 _C.TRAIN.HFLIP = -1.0
 # Resampling of the training resizes and crops: bilinear | bicubic
 _C.TRAIN.INTERPOLATION = "bilinear"
-# Data set root: the ImageNet layout for imagefolder, the CIFAR root for cifar*
+# Data set root: the ImageNet layout for imagefolder, the CIFAR root for cifar*;
+# for webdataset the shards' brace pattern (/data/train-{000000..000146}.tar)
 _C.TRAIN.DATASET = ""
 # Sub-directory of TRAIN.DATASET holding the training images (imagefolder)
 _C.TRAIN.SPLIT = "train"
@@ -231,7 +239,8 @@ _C.TRAIN.DISTILL.ALPHA = 0.5
 # Evaluation
 # ---------------------------------------------------------------------------- #
 _C.TEST = CfgNode()
-# Data set root of the validation images (imagefolder, cifar*)
+# Data set root of the validation images (imagefolder, cifar*); for webdataset
+# the validation shards' brace pattern
 _C.TEST.DATASET = ""
 # Sub-directory of TEST.DATASET holding the validation images (imagefolder)
 _C.TEST.SPLIT = "val"

@@ -33,7 +33,15 @@ RENAMED = {
     "TRAIN.CHECKPOINT": "MODEL.WEIGHTS",
 }
 
-DATA_NAMES = ("auto", "mnist5k", "imagefolder", "cifar10", "cifar100", "synthetic")
+DATA_NAMES = (
+    "auto",
+    "mnist5k",
+    "imagefolder",
+    "webdataset",
+    "cifar10",
+    "cifar100",
+    "synthetic",
+)
 LR_POLICIES = ("cos", "steps", "exp", "linear", "onecycle")
 OPTIMIZERS = ("sgd", "adamw", "rmsprop", "lamb", "lars")
 DEVICES = ("auto", "cpu", "cuda")

@@ -54,6 +54,7 @@ _RANGES = {
     "DATA.RANDAUG_M": (lambda v: 0 <= v <= 30, "must be in [0, 30]"),
     "DATA.RANDOM_ERASING": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
     "DATA.REPEATED_AUG": (lambda v: v >= 1, "must be >= 1 (1 = off)"),
+    "DATA.SHUFFLE_BUFFER": (lambda v: v >= 1, "must be >= 1 (1 = shard order)"),
     "TEST.BATCH_SIZE": (lambda v: v >= 1, "must be >= 1"),
     "TEST.IM_SIZE": (lambda v: v >= 1, "must be >= 1"),
     "TEST.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
@@ -417,6 +418,13 @@ def _check_data_paths(cfg: CfgNode, name: str) -> None:
                 raise ConfigError(
                     f"{section}.DATASET/{section}.SPLIT: no such directory {path}"
                 )
+    elif name == "webdataset":
+        for section in ("TRAIN", "TEST"):
+            if not cfg[section].DATASET:
+                raise ConfigError(
+                    f"{section}.DATASET is empty: webdataset needs a pattern of "
+                    "shards, e.g. /data/shards/train-{000000..000009}.tar"
+                )
     elif name in ("cifar10", "cifar100") and not cfg.DATA.DOWNLOAD:
         folder = "cifar-10-batches-py" if name == "cifar10" else "cifar-100-python"
         for section in ("TRAIN", "TEST"):
@@ -437,6 +445,13 @@ def _validate_data(cfg: CfgNode) -> None:
         "MODEL.NUM_CLASSES",
         cfg.MODEL.NUM_CLASSES,
         f"{name} has {classes} classes",
+    )
+    _check(
+        name != "webdataset" or cfg.DATA.REPEATED_AUG == 1,
+        "DATA.REPEATED_AUG",
+        cfg.DATA.REPEATED_AUG,
+        "webdataset streams each reader's shards once an epoch; repeated "
+        "augmentation needs a sampler (DATA.NAME imagefolder)",
     )
     _check_data_paths(cfg, name)
     if cfg.DATA.DECODER == "gpu":

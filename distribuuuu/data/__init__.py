@@ -17,6 +17,13 @@ from distribuuuu.data import datasets as ds
 from distribuuuu.data import gpu_decode
 from distribuuuu.data.datasets import DataError, count_images, find_image_files
 from distribuuuu.data.samplers import ExactShardSampler, ResumableTrainSampler
+from distribuuuu.data.shard_streams import EvalStream, ShardLoader, TrainStream
+from distribuuuu.data.shards import (
+    ShardDecoder,
+    ShardedImages,
+    open_shards,
+    shortage_message,
+)
 from distribuuuu.data.transforms import (
     ToNormalizedFloat,
     auto_augment,
@@ -35,6 +42,7 @@ __all__ = [
     "build_test_loader",
     "check_data",
     "count_images",
+    "count_shard_samples",
     "find_image_files",
     "flip_probability",
     "image_reader",
@@ -55,6 +63,9 @@ _SMALL_IMAGES = {
 # policies on CIFAR-10, SVHN and ImageNet): CIFAR's for CIFAR, the SVHN (house
 # number digits) policy for the digits, ImageNet's for everything else.
 _AUTO_AUGMENT_POLICY = {"mnist5k": "svhn", "cifar10": "cifar10", "cifar100": "cifar10"}
+# Data sets of image files of any size, read by DATA.DECODER: ImageNet-style
+# transforms; the same files give the same pixels in either.
+_IMAGE_FILES = ("imagefolder", "webdataset")
 
 
 def _train_augment(cfg: CfgNode, name: str) -> tuple[v2.Transform | None, float]:
@@ -104,7 +115,7 @@ def _transform(
     resize, crop = eval_sizes(cfg)
     if views and cfg.TEST.TTA in CROP_MODES:
         crop = resize
-    if name == "imagefolder":
+    if name in _IMAGE_FILES:
         return imagenet_transforms(train, size, resize, mean, augment, erasing,
                                    crop, flip, interpolation)  # fmt: skip
     native = _SMALL_IMAGES[name][0] if name in _SMALL_IMAGES else size
@@ -151,7 +162,7 @@ def build_test_transform(
     if normalize is None:
         normalize = build_normalizer(cfg, cpu)
     steps = [_transform(cfg, name, train=False), normalize]
-    if name != "imagefolder":
+    if name not in _IMAGE_FILES:
         size = eval_sizes(cfg)[1]
         fit = [v2.PILToTensor(), v2.Resize(size, antialias=True), v2.CenterCrop(size)]
         steps = fit + steps
@@ -179,6 +190,15 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
         dataset = ds.CheckedImageFolder(path, transform, key, reader)
         _check_class_count(key, path, len(dataset.classes), cfg.MODEL.NUM_CLASSES)
         return ds.SkipUnreadable(dataset) if cfg.DATA.SKIP_CORRUPT else dataset
+    if name == "webdataset":
+        section = "TRAIN" if train else "TEST"
+        key = f"{section}.DATASET"
+        shards = open_shards(cfg[section].DATASET, key)
+        _check_class_count(key, shards.paths[0], len(shards.classes),
+                           cfg.MODEL.NUM_CLASSES)  # fmt: skip
+        decoder = ShardDecoder(shards, transform, _decode_bytes(cfg),
+                               cfg.DATA.SKIP_CORRUPT)  # fmt: skip
+        return ShardedImages(shards, decoder)
     if name == "synthetic":
         count = cfg.DATA.SYNTHETIC_SIZE[0 if train else 1]
         seed = 0 if train else 1
@@ -186,6 +206,13 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
             count, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed, transform
         )
     raise ValueError(f"unknown DATA.NAME {name!r}")
+
+
+def _decode_bytes(cfg: CfgNode) -> Callable[[bytes, str], torch.Tensor | Image.Image]:
+    """What decodes an encoded image (DATA.DECODER), as :func:`image_reader`
+    reads a file."""
+    as_tensor = cfg.DATA.DECODER == "tensor"
+    return lambda data, name: ds.decode_image_bytes(data, name, as_tensor)
 
 
 def _image_folder(cfg: CfgNode, train: bool) -> tuple[str, str]:
@@ -203,14 +230,20 @@ def _check_class_count(key: str, path: str, classes: int, num_classes: int) -> N
         )
 
 
-def check_data(cfg: CfgNode) -> None:
+def check_data(cfg: CfgNode, replicas: int | None = None) -> None:
     """Check the data a resolved cfg names before a run; raise a DataError.
+
+    For webdataset: both shard patterns (see :func:`open_shards`), the same
+    classes, no more than MODEL.NUM_CLASSES, and with ``replicas`` (data
+    parallel processes of a training run) a shard for each reader.
 
     For imagefolder: both splits have class folders, none of them empty, the
     same classes (labels follow the sorted class names), and no more classes
     than MODEL.NUM_CLASSES.  Cheap: it lists folders and stops at the first
     image file of each class; it does not open images.
     """
+    if cfg.DATA.NAME == "webdataset":
+        _check_shards(cfg, replicas)
     if cfg.DATA.NAME != "imagefolder":
         return
     train_path, train_key = _image_folder(cfg, True)
@@ -228,6 +261,26 @@ def check_data(cfg: CfgNode) -> None:
             f"{train_key} and {val_key}: class {name} is in {has} but not in "
             f"{lacks}; labels follow the sorted class names, so both need the same"
         )
+
+
+def _check_shards(cfg: CfgNode, replicas: int | None) -> None:
+    train = open_shards(cfg.TRAIN.DATASET, "TRAIN.DATASET")
+    val = open_shards(cfg.TEST.DATASET, "TEST.DATASET")
+    _check_class_count("TRAIN.DATASET", train.paths[0], len(train.classes),
+                       cfg.MODEL.NUM_CLASSES)  # fmt: skip
+    if train.classes != val.classes:
+        raise DataError(
+            f"TRAIN.DATASET and TEST.DATASET: the class lists beside "
+            f"{train.paths[0]} and {val.paths[0]} differ; labels follow them, so "
+            "both need the same"
+        )
+    if replicas is not None and len(train.paths) < replicas * max(1, cfg.TRAIN.WORKERS):
+        raise DataError(shortage_message(train, replicas, cfg.TRAIN.WORKERS))
+
+
+def count_shard_samples(pattern: str) -> int:
+    """The samples of the shards of ``pattern``, from their index."""
+    return open_shards(pattern, "TRAIN.DATASET").total
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -298,8 +351,9 @@ def build_train_loader(
     seed: int,
     device: torch.device,
     batch_size: int,
-) -> DataLoader:
-    """Shuffled, sharded training loader of ``batch_size`` per rank.
+) -> DataLoader | ShardLoader:
+    """Shuffled, sharded training loader of ``batch_size`` per rank (for
+    WebDataset shards a :class:`ShardLoader`, with the same interface).
 
     Call ``loader.sampler.set_epoch(epoch, start)`` before each epoch. The
     last incomplete batch of a rank is dropped, so that every optimizer step
@@ -307,6 +361,10 @@ def build_train_loader(
     ``DATA.REPEATED_AUG`` k > 1 an epoch holds each of its samples k times
     (see :class:`ResumableTrainSampler`).
     """
+    if isinstance(dataset, ShardedImages):
+        stream = TrainStream(dataset, rank, world_size, seed, batch_size,
+                             cfg.TRAIN.WORKERS, cfg.DATA.SHUFFLE_BUFFER)  # fmt: skip
+        return ShardLoader(stream, _loader_kwargs(cfg, device))
     repeats = cfg.DATA.REPEATED_AUG
     sampler = ResumableTrainSampler(len(dataset), rank, world_size, seed, repeats)
     return DataLoader(
@@ -322,8 +380,12 @@ def build_train_loader(
 
 def build_test_loader(
     cfg: CfgNode, dataset: Dataset, rank: int, world_size: int, device: torch.device
-) -> DataLoader:
+) -> DataLoader | ShardLoader:
     """Evaluation loader that visits every sample exactly once across ranks."""
+    if isinstance(dataset, ShardedImages):
+        stream = EvalStream(dataset, rank, world_size, cfg.TEST.BATCH_SIZE,
+                            cfg.TRAIN.WORKERS)  # fmt: skip
+        return ShardLoader(stream, _loader_kwargs(cfg, device))
     return DataLoader(
         dataset,
         batch_size=cfg.TEST.BATCH_SIZE,

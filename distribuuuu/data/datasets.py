@@ -213,29 +213,47 @@ def _decode_with_torchvision(data: bytes) -> torch.Tensor | None:
     return image if image.dtype == torch.uint8 and image.dim() == 3 else None
 
 
-def _read_image(path: str, as_tensor: bool) -> Image.Image | torch.Tensor:
-    """The image file at ``path`` as RGB (see :func:`load_image`,
-    :func:`decode_image_file`); a DataError names an unreadable one."""
+def decode_image_bytes(
+    data: bytes, name: str, as_tensor: bool
+) -> Image.Image | torch.Tensor:
+    """The encoded image ``data`` as RGB: a uint8 tensor (``as_tensor``) or a PIL
+    image, as :func:`decode_image_file` and :func:`load_image` read a file; a
+    DataError names ``name`` (the file, or a sample of a shard) when it cannot."""
     try:
-        with open(path, "rb") as f:
-            image = _open_header(f, path)  # before any pixel is decoded
-            if not as_tensor:
-                return _to_rgb(image)
-            if decode_image is not None and image.format in _TORCHVISION_FORMATS:
-                f.seek(0)
-                data = f.read()
-                decoded = _decode_with_torchvision(data)
-                if decoded is not None:
-                    return decoded
-                image = _open_header(io.BytesIO(data), path)
-            return pil_to_tensor(_to_rgb(image))
+        image = _open_header(io.BytesIO(data), name)  # before any pixel is decoded
+        if not as_tensor:
+            return _to_rgb(image)
+        if decode_image is not None and image.format in _TORCHVISION_FORMATS:
+            decoded = _decode_with_torchvision(data)
+            if decoded is not None:
+                return decoded
+            image = _open_header(io.BytesIO(data), name)
+        return pil_to_tensor(_to_rgb(image))
     except DataError:
         raise
     except UnidentifiedImageError:
         reason = "not an image format PIL can read"
     except Exception as error:  # PIL raises many types for damaged files
         reason = f"{type(error).__name__}: {error}"
-    raise DataError(f"cannot read image {path}: {reason}")
+    raise DataError(f"cannot read image {name}: {reason}")
+
+
+def _read_image(path: str, as_tensor: bool) -> Image.Image | torch.Tensor:
+    """The image file at ``path`` as RGB (see :func:`load_image`,
+    :func:`decode_image_file`); a DataError names an unreadable one."""
+    try:
+        with open(path, "rb") as f:
+            _open_header(f, path)  # the pixel limit before the file is read
+            f.seek(0)
+            data = f.read()
+    except DataError:
+        raise
+    except Exception as error:
+        reason = "not an image format PIL can read"
+        if not isinstance(error, UnidentifiedImageError):
+            reason = f"{type(error).__name__}: {error}"
+        raise DataError(f"cannot read image {path}: {reason}") from error
+    return decode_image_bytes(data, path, as_tensor)
 
 
 def load_image(path: str) -> Image.Image:
