@@ -48,7 +48,7 @@ AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
 CHOICES = {
     "DATA.NAME": DATA_NAMES,
     "DATA.AUTO_AUGMENT": AUTO_AUGMENTS,
-    "DATA.DECODER": ("tensor", "pil"),
+    "DATA.DECODER": ("fused", "tensor", "pil"),
     "OPTIM.LR_POLICY": LR_POLICIES,
     "OPTIM.OPTIMIZER": OPTIMIZERS,
     "OPTIM.LR_STEP": ("iter", "epoch"),

@@ -15,6 +15,7 @@ from yacs.config import CfgNode
 from distribuuuu.config import resolve_data_name
 from distribuuuu.data import datasets as ds
 from distribuuuu.data.datasets import DataError, count_images, find_image_files
+from distribuuuu.data.jpeg import read_image_fused
 from distribuuuu.data.samplers import ExactShardSampler, ResumableTrainSampler
 from distribuuuu.data.transforms import (
     ToNormalizedFloat,
@@ -102,8 +103,9 @@ def _transform(
     if views and cfg.TEST.TTA in CROP_MODES:
         crop = resize
     if name == "imagefolder":
+        fused = cfg.DATA.DECODER == "fused"
         return imagenet_transforms(train, size, resize, mean, augment, erasing,
-                                   crop, flip, interpolation)  # fmt: skip
+                                   crop, flip, interpolation, fused)  # fmt: skip
     native = _SMALL_IMAGES[name][0] if name in _SMALL_IMAGES else size
     return small_image_transforms(train, size if train else crop, native, mean,
                                   flip, augment, erasing, interpolation)  # fmt: skip
@@ -122,7 +124,8 @@ def build_normalizer(
 def image_reader(cfg: CfgNode) -> Callable[[str], torch.Tensor | Image.Image]:
     """What reads an image file for cfg (DATA.DECODER): a uint8 tensor from
     ``torchvision.io`` or an RGB PIL image; a DataError names a damaged file."""
-    return ds.decode_image_file if cfg.DATA.DECODER == "tensor" else ds.load_image
+    readers = {"fused": read_image_fused, "tensor": ds.decode_image_file}
+    return readers.get(cfg.DATA.DECODER, ds.load_image)
 
 
 def build_test_transform(cfg: CfgNode) -> v2.Compose:
