@@ -13,7 +13,9 @@ Measurements, printed as a table and written as JSON (``--out``):
 * data pipeline: img/s of our ImageFolder loader (decode and transforms in
   the workers, normalisation in this process) beside torchvision's ImageFolder
   with the classic PIL transforms, same workers and batch, on ImageNet-sized
-  JPEGs that the tool writes first;
+  JPEGs that the tool writes first; ``ours`` is the default DATA.DECODER, and
+  each of ``--decoders`` is measured in the same run, each with its ratio to
+  torchvision's;
 * eval: img/s of ``evaluation.evaluate`` beside a minimal no-grad loop;
 * start-up: seconds of ``train_net.py --dry-run`` (build, a step, an eval batch);
 * ``--only pipeline``: GPipe's and 1F1B's bubble (distribuuuu.pipeline_bubble).
@@ -91,6 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--data-images", type=int, default=1024, help="JPEGs in the data folder")
     add("--data-im-size", type=int, default=224, help="crop of the data pipeline")
     add("--data-batch", type=int, default=32, help="batch of the data pipeline")
+    add(
+        "--decoders",
+        default="tensor,pil",
+        help="other DATA.DECODER values measured beside the default ('': none)",
+    )
     add("--only", default="train,data,eval,startup", help="...,pipeline")
     add("--short", action="store_true", help="tiny sizes, 2 repeats (smoke test)")
     add("--out", default="benchmark.json", help="JSON file to write")
@@ -112,13 +119,14 @@ def summarize(values: list[float]) -> dict:
 
 
 def interleave(sides: dict[str, Callable[[], int]], repeats: int) -> dict:
-    """Run each side once per repeat, alternating which goes first.
+    """Run each side once per repeat, in order, then in reverse order, and so on.
 
     A side returns the number of images it processed.  Returns each side's
     img/s summary and the summary of the per-repeat ratio of the first side
-    to the second; under ``"cpu"`` the same from the CPU time of this process
-    and its child processes (:func:`cpu_seconds`), which other programs on a
-    busy machine disturb far less than the wall clock.
+    to the last (with more than two sides, ``"ratios"`` holds that of every
+    side but the last to the last); under ``"cpu"`` the same from the CPU time
+    of this process and its child processes (:func:`cpu_seconds`), which
+    other programs on a busy machine disturb far less than the wall clock.
     """
     names = list(sides)
     wall: dict[str, list[float]] = {name: [] for name in names}
@@ -156,10 +164,16 @@ def cpu_seconds() -> float:
 
 
 def _compare(runs: dict[str, list[float]]) -> dict:
-    """Summaries of each side's runs and of the paired ratio first/second."""
+    """Summaries of each side's runs and of the paired ratios to the last side."""
     result = {name: summarize(values) for name, values in runs.items()}
-    first, second = runs.values()
-    result["ratio"] = summarize([a / b for a, b in zip(first, second)])
+    *names, last = runs
+
+    def ratio(name: str) -> dict:
+        return summarize([a / b for a, b in zip(runs[name], runs[last])])
+
+    result["ratio"] = ratio(names[0])
+    if len(names) > 1:
+        result["ratios"] = {name: ratio(name) for name in names}
     return result
 
 
@@ -373,11 +387,13 @@ def reference_loader(root: str, im_size: int, batch: int, workers: int):
     )
 
 
-def our_loader(args: argparse.Namespace, root: str):
+def our_loader(args: argparse.Namespace, root: str, decoder: str = ""):
     """Our training loader of the folder ``root``/train, as a run builds it on
-    the CPU, and the normaliser of its batches."""
+    the CPU (DATA.DECODER ``decoder``, or the default), and the normaliser of
+    its batches."""
     size = args.data_im_size
     opts = ["DATA.NAME", "imagefolder", "TRAIN.DATASET", root, "TEST.DATASET", root]
+    opts += ["DATA.DECODER", decoder] if decoder else []
     opts += ["TRAIN.IM_SIZE", str(size), "TEST.IM_SIZE", str(size)]
     opts += ["TRAIN.WORKERS", str(args.workers), "MODEL.NUM_CLASSES", "2"]
     cfg = load_cfg(None, opts + ["TEST.SPLIT", "train", "DEVICE", "cpu"])
@@ -388,26 +404,36 @@ def our_loader(args: argparse.Namespace, root: str):
 
 
 def bench_data(args: argparse.Namespace, work_dir: str) -> dict:
-    """The data-pipeline measurement: img/s of one epoch of each loader."""
+    """The data-pipeline measurement: img/s of one epoch of each loader, ours
+    with the default decoder and with each of ``--decoders``."""
     root = os.path.join(work_dir, "jpegs")
     write_jpeg_folder(os.path.join(root, "train"), args.data_images)
-    ours, normalize = our_loader(args, root)
     reference = reference_loader(
         os.path.join(root, "train"), args.data_im_size, args.data_batch, args.workers
     )
-    epoch = [0]
-
-    def ours_epoch() -> int:
-        ours.sampler.set_epoch(epoch[0])
-        epoch[0] += 1
-        return sum(len(normalize(batch)) for batch, _ in ours)
+    decoders = [name for name in args.decoders.split(",") if name]
+    sides = {"ours": _our_epoch(*our_loader(args, root))}
+    for decoder in decoders:
+        sides[decoder] = _our_epoch(*our_loader(args, root, decoder))
 
     def reference_epoch() -> int:
         return sum(len(batch) for batch, _ in reference)
 
-    sides = {"ours": ours_epoch, "torchvision": reference_epoch}
+    sides["torchvision"] = reference_epoch
     interleave(sides, 1)  # starts the persistent workers
     return interleave(sides, args.repeats)
+
+
+def _our_epoch(loader, normalize) -> Callable[[], int]:
+    """One epoch of our ``loader`` (a new epoch each call), batches normalised."""
+    epoch = [0]
+
+    def run() -> int:
+        loader.sampler.set_epoch(epoch[0])
+        epoch[0] += 1
+        return sum(len(normalize(batch)) for batch, _ in loader)
+
+    return run
 
 
 def bench_startup(args: argparse.Namespace, work_dir: str) -> dict:
@@ -427,16 +453,19 @@ def bench_startup(args: argparse.Namespace, work_dir: str) -> dict:
 
 
 def _row(name: str, result: dict, unit: str = "img/s") -> str:
-    sides = [key for key in result if key not in ("ratio", "cpu")]
+    sides = [key for key in result if key not in ("ratio", "ratios", "cpu")]
     cells = [
         f"{key} {result[key]['median']:.1f} ({result[key]['min']:.1f}-"
         f"{result[key]['max']:.1f})"
         for key in sides
     ]
     text = f"{name:<18} {unit:<6} " + "  ".join(cells)
-    ratio = result.get("ratio")
-    if ratio:
-        text += f"  ratio {ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})"
+    ratios = result.get("ratios")
+    if ratios is None:  # two sides: the ratio of the first to the second
+        ratios = {"": result["ratio"]} if "ratio" in result else {}
+    for side, ratio in ratios.items():
+        spread = f"{ratio['min']:.3f}-{ratio['max']:.3f}"
+        text += f"  {f'ratio {side}'.rstrip()} {ratio['median']:.3f} ({spread})"
     return text
 
 
