@@ -42,17 +42,14 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import torch
 import torchvision
-from PIL import Image
 from torch import nn
-from torchvision import transforms as classic
 
 from distribuuuu import optim
 from distribuuuu.config import load_cfg
-from distribuuuu.data import build_dataset, build_normalizer, build_train_loader
-from distribuuuu.data.datasets import IMAGENET_MEAN, IMAGENET_STD
+from distribuuuu.data import build_normalizer
+from distribuuuu.data.throughput import data_pipeline_sides
 from distribuuuu.distributed import LaunchInfo
 from distribuuuu.evaluation import EvalSpec, evaluate
 from distribuuuu.logger import PACKAGE_LOGGER, MetricsWriter, setup_logging
@@ -62,9 +59,6 @@ from distribuuuu.pipeline_bubble import format_bubble, measure_bubble
 from distribuuuu.trainer import build_train_state
 
 TRAIN_NET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_net.py")
-# ImageNet's median photo is about 500 x 375 (4:3 landscape); the JPEGs of the
-# data-pipeline measurement have that size.
-JPEG_SIZE = (500, 375)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -346,94 +340,15 @@ def bench_train_and_eval(args: argparse.Namespace, cfg, what: set[str]) -> dict:
     return results
 
 
-def write_jpeg_folder(root: str, images: int, classes: int = 2) -> None:
-    """``images`` JPEGs of JPEG_SIZE in ``classes`` class folders under ``root``.
-
-    Smooth colour fields with mild noise, saved at quality 90: they decode at
-    about the speed of photos, unlike pure noise, which is far slower.
-    """
-    generator = np.random.default_rng(0)
-    width, height = JPEG_SIZE
-    for index in range(images):
-        folder = os.path.join(root, f"c{index % classes}")
-        os.makedirs(folder, exist_ok=True)
-        coarse = generator.integers(0, 256, (height // 16, width // 16, 3))
-        smooth = Image.fromarray(coarse.astype(np.uint8)).resize(
-            JPEG_SIZE, Image.Resampling.BICUBIC
-        )
-        noise = generator.integers(-12, 13, (height, width, 3))
-        pixels = np.clip(np.asarray(smooth, dtype=np.int16) + noise, 0, 255)
-        Image.fromarray(pixels.astype(np.uint8)).save(
-            os.path.join(folder, f"{index}.jpg"), quality=90
-        )
-
-
-def reference_loader(root: str, im_size: int, batch: int, workers: int):
-    """torchvision's ImageFolder with the classic PIL transforms."""
-    transform = classic.Compose([
-        classic.RandomResizedCrop(im_size),
-        classic.RandomHorizontalFlip(),
-        classic.ToTensor(),
-        classic.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])  # fmt: skip
-    dataset = torchvision.datasets.ImageFolder(root, transform)
-    return torch.utils.data.DataLoader(
-        dataset,
-        batch_size=batch,
-        shuffle=True,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        drop_last=True,
-    )
-
-
-def our_loader(args: argparse.Namespace, root: str, decoder: str = ""):
-    """Our training loader of the folder ``root``/train, as a run builds it on
-    the CPU (DATA.DECODER ``decoder``, or the default), and the normaliser of
-    its batches."""
-    size = args.data_im_size
-    opts = ["DATA.NAME", "imagefolder", "TRAIN.DATASET", root, "TEST.DATASET", root]
-    opts += ["DATA.DECODER", decoder] if decoder else []
-    opts += ["TRAIN.IM_SIZE", str(size), "TEST.IM_SIZE", str(size)]
-    opts += ["TRAIN.WORKERS", str(args.workers), "MODEL.NUM_CLASSES", "2"]
-    cfg = load_cfg(None, opts + ["TEST.SPLIT", "train", "DEVICE", "cpu"])
-    dataset = build_dataset(cfg, train=True)
-    device = torch.device("cpu")
-    loader = build_train_loader(cfg, dataset, 0, 1, 0, device, args.data_batch)
-    return loader, build_normalizer(cfg, device)
-
-
 def bench_data(args: argparse.Namespace, work_dir: str) -> dict:
     """The data-pipeline measurement: img/s of one epoch of each loader, ours
-    with the default decoder and with each of ``--decoders``."""
-    root = os.path.join(work_dir, "jpegs")
-    write_jpeg_folder(os.path.join(root, "train"), args.data_images)
-    reference = reference_loader(
-        os.path.join(root, "train"), args.data_im_size, args.data_batch, args.workers
-    )
+    with the default decoder and with each of ``--decoders`` (see
+    :mod:`distribuuuu.data.throughput`)."""
     decoders = [name for name in args.decoders.split(",") if name]
-    sides = {"ours": _our_epoch(*our_loader(args, root))}
-    for decoder in decoders:
-        sides[decoder] = _our_epoch(*our_loader(args, root, decoder))
-
-    def reference_epoch() -> int:
-        return sum(len(batch) for batch, _ in reference)
-
-    sides["torchvision"] = reference_epoch
+    sizes = (args.data_images, args.data_im_size, args.data_batch, args.workers)
+    sides = data_pipeline_sides(os.path.join(work_dir, "jpegs"), *sizes, decoders)
     interleave(sides, 1)  # starts the persistent workers
     return interleave(sides, args.repeats)
-
-
-def _our_epoch(loader, normalize) -> Callable[[], int]:
-    """One epoch of our ``loader`` (a new epoch each call), batches normalised."""
-    epoch = [0]
-
-    def run() -> int:
-        loader.sampler.set_epoch(epoch[0])
-        epoch[0] += 1
-        return sum(len(normalize(batch)) for batch, _ in loader)
-
-    return run
 
 
 def bench_startup(args: argparse.Namespace, work_dir: str) -> dict:
