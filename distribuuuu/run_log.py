@@ -135,7 +135,7 @@ def watch_data_time(cfg: CfgNode, state: TrainState, data_s: float, step_s: floa
             "data-bound: waiting for data took %.0f%% of the step time (more than "
             "TRAIN.DATA_BOUND_SHARE %.2f) in %d logged windows in a row; feed the "
             "model faster: raise TRAIN.WORKERS (now %d; about one per CPU core "
-            "per process), keep DATA.DECODER tensor (now %s), or store the "
+            "per process), keep DATA.DECODER fused (now %s), or store the "
             "images pre-resized (shorter side about 1.15 x TRAIN.IM_SIZE)",
             100 * data_s / max(step_s, 1e-9),
             share,

@@ -59,6 +59,13 @@ def test_short_benchmark_writes_table_and_json(tmp_path):
     assert stop["per_step_s"] == stop["check_s"]["median"] / 20
     step_s = 8 / results["train_step"]["ours"]["median"]
     assert stop["share"] == pytest.approx(stop["per_step_s"] / step_s)
+    # Every decoder beside the default, each with its ratio to torchvision's.
+    data = results["data_pipeline"]
+    assert (
+        set(data["ratios"]) == set(data["cpu"]["ratios"]) == {"ours", "tensor", "pil"}
+    )
+    assert data["ratios"]["ours"] == data["ratio"]
+    assert "ratio tensor" in result.stdout and "ratio pil" in result.stdout
 
 
 def test_interleave_alternates_the_first_side_and_pairs_ratios(monkeypatch):
@@ -84,6 +91,29 @@ def test_interleave_alternates_the_first_side_and_pairs_ratios(monkeypatch):
     assert result["ratio"]["runs"] == [2.0, 4.0, 4.0]
     assert result["ratio"]["median"] == 4.0
     assert result["cpu"]["ratio"]["runs"] == [2.0, 4.0, 4.0]
+    assert "ratios" not in result  # two sides: one ratio
+
+
+def test_interleave_gives_every_side_its_ratio_to_the_last(monkeypatch):
+    seconds = {"a": 1.0, "b": 2.0, "ref": 4.0}
+    now = [0.0]
+    monkeypatch.setattr(benchmark.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(benchmark, "cpu_seconds", lambda: now[0])
+    order = []
+
+    def side(name):
+        def measure():
+            order.append(name)
+            now[0] += seconds[name]
+            return 8
+
+        return measure
+
+    result = benchmark.interleave({name: side(name) for name in seconds}, 2)
+    assert order == ["a", "b", "ref", "ref", "b", "a"]
+    assert result["ratios"]["a"]["runs"] == [4.0, 4.0] == result["ratio"]["runs"]
+    assert result["cpu"]["ratios"]["b"]["median"] == 2.0
+    assert "ratio a 4.000" in benchmark._row("data", result)
 
 
 @pytest.mark.distributed

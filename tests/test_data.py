@@ -245,7 +245,7 @@ def test_tensor_decoder_draws_the_same_augmentation_as_pil(tmp_path):
     assert (val_fast.float() - val_classic.float()).abs().mean() < 1.2
 
 
-@pytest.mark.parametrize("decoder", ["tensor", "pil"])
+@pytest.mark.parametrize("decoder", ["fused", "tensor", "pil"])
 def test_predict_pipeline_gives_the_evaluation_input(tmp_path, decoder):
     """A file read and transformed for prediction is the model input of its
     evaluation, bit for bit, with either decoder."""

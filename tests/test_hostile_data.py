@@ -185,7 +185,7 @@ def bombs(tmp_path_factory) -> list[Path]:
     ]
 
 
-@pytest.mark.parametrize("decoder", ["tensor", "pil"])
+@pytest.mark.parametrize("decoder", ["fused", "tensor", "pil"])
 def test_both_decoders_refuse_a_decompression_bomb(bombs, decoder):
     read = image_reader(load_cfg(None, ["DATA.DECODER", decoder]))
     for bomb in bombs:
@@ -233,7 +233,7 @@ def test_skip_corrupt_skips_a_decompression_bomb(bombs, tmp_path):
 
 def test_predict_refuses_a_decompression_bomb(bombs, trained_out_dir, capsys):
     weights = str(trained_out_dir / "best.pth")
-    for decoder in ("tensor", "pil"):
+    for decoder in ("fused", "tensor", "pil"):
         argv = ["--weights", weights, "--device", "cpu", "DATA.DECODER", decoder]
         assert predict.main([*argv, str(bombs[0])]) == 2
         captured = capsys.readouterr()
@@ -257,7 +257,7 @@ def sixteen_bit_picture() -> np.ndarray:
     return np.stack([red, green, blue], axis=-1).clip(0, 65535)
 
 
-@pytest.mark.parametrize("decoder", ["tensor", "pil"])
+@pytest.mark.parametrize("decoder", ["fused", "tensor", "pil"])
 def test_sixteen_bit_pngs_are_scaled_to_eight_bits(tmp_path, decoder):
     picture = sixteen_bit_picture()
     eight_bits = ((picture * 255 + 32767) // 65535).astype(np.uint8)

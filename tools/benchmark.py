@@ -13,7 +13,9 @@ Measurements, printed as a table and written as JSON (``--out``):
 * data pipeline: img/s of our ImageFolder loader (decode and transforms in
   the workers, normalisation in this process) beside torchvision's ImageFolder
   with the classic PIL transforms, same workers and batch, on ImageNet-sized
-  JPEGs that the tool writes first;
+  JPEGs that the tool writes first; ``ours`` is the default DATA.DECODER, and
+  each of ``--decoders`` is measured in the same run, each with its ratio to
+  torchvision's;
 * eval: img/s of ``evaluation.evaluate`` beside a minimal no-grad loop;
 * start-up: seconds of ``train_net.py --dry-run`` (build, a step, an eval batch)
   beside ``python -c "import torch, torchvision"``, and the difference;
@@ -42,11 +44,8 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import torch
 import torchvision
-from PIL import Image
-from torchvision import transforms as classic
 
 from distribuuuu.baselines import (
     InMemoryLoader,
@@ -55,8 +54,8 @@ from distribuuuu.baselines import (
     minimal_train,
 )
 from distribuuuu.config import load_cfg
-from distribuuuu.data import build_dataset, build_normalizer, build_train_loader
-from distribuuuu.data.datasets import IMAGENET_MEAN, IMAGENET_STD
+from distribuuuu.data import build_normalizer
+from distribuuuu.data.throughput import data_pipeline_sides
 from distribuuuu.distributed import LaunchInfo
 from distribuuuu.evaluation import EvalSpec, evaluate
 from distribuuuu.logger import PACKAGE_LOGGER, MetricsWriter, setup_logging
@@ -72,9 +71,6 @@ from distribuuuu.pipeline_bubble import format_bubble, measure_bubble
 from distribuuuu.trainer import build_train_state
 
 TRAIN_NET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_net.py")
-# ImageNet's median photo is about 500 x 375 (4:3 landscape); the JPEGs of the
-# data-pipeline measurement have that size.
-JPEG_SIZE = (500, 375)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,6 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--data-images", type=int, default=1024, help="JPEGs in the data folder")
     add("--data-im-size", type=int, default=224, help="crop of the data pipeline")
     add("--data-batch", type=int, default=32, help="batch of the data pipeline")
+    add(
+        "--decoders",
+        default="tensor,pil",
+        help="other DATA.DECODER values measured beside the default ('': none)",
+    )
     add("--only", default="train,data,eval,startup,stop", help="...,pipeline")
     add("--short", action="store_true", help="tiny sizes, 2 repeats (smoke test)")
     add("--out", default="benchmark.json", help="JSON file to write")
@@ -114,13 +115,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def interleave(sides: dict[str, Callable[[], int]], repeats: int) -> dict:
-    """Run each side once per repeat, alternating which goes first.
+    """Run each side once per repeat, in order, then in reverse order, and so on.
 
     A side returns the number of images it processed.  Returns each side's
     img/s summary and the summary of the per-repeat ratio of the first side
-    to the second; under ``"cpu"`` the same from the CPU time of this process
-    and its child processes (:func:`cpu_seconds`), which other programs on a
-    busy machine disturb far less than the wall clock.
+    to the last (with more than two sides, ``"ratios"`` holds that of every
+    side but the last to the last); under ``"cpu"`` the same from the CPU time
+    of this process and its child processes (:func:`cpu_seconds`), which
+    other programs on a busy machine disturb far less than the wall clock.
     """
     names = list(sides)
     wall: dict[str, list[float]] = {name: [] for name in names}
@@ -158,10 +160,16 @@ def cpu_seconds() -> float:
 
 
 def _compare(runs: dict[str, list[float]]) -> dict:
-    """Summaries of each side's runs and of the paired ratio first/second."""
+    """Summaries of each side's runs and of the paired ratios to the last side."""
     result = {name: summarize(values) for name, values in runs.items()}
-    first, second = runs.values()
-    result["ratio"] = summarize([a / b for a, b in zip(first, second)])
+    *names, last = runs
+
+    def ratio(name: str) -> dict:
+        return summarize([a / b for a, b in zip(runs[name], runs[last])])
+
+    result["ratio"] = ratio(names[0])
+    if len(names) > 1:
+        result["ratios"] = {name: ratio(name) for name in names}
     return result
 
 
@@ -256,80 +264,13 @@ def bench_train_and_eval(args: argparse.Namespace, cfg, what: set[str]) -> dict:
     return results
 
 
-def write_jpeg_folder(root: str, images: int, classes: int = 2) -> None:
-    """``images`` JPEGs of JPEG_SIZE in ``classes`` class folders under ``root``.
-
-    Smooth colour fields with mild noise, saved at quality 90: they decode at
-    about the speed of photos, unlike pure noise, which is far slower.
-    """
-    generator = np.random.default_rng(0)
-    width, height = JPEG_SIZE
-    for index in range(images):
-        folder = os.path.join(root, f"c{index % classes}")
-        os.makedirs(folder, exist_ok=True)
-        coarse = generator.integers(0, 256, (height // 16, width // 16, 3))
-        smooth = Image.fromarray(coarse.astype(np.uint8)).resize(
-            JPEG_SIZE, Image.Resampling.BICUBIC
-        )
-        noise = generator.integers(-12, 13, (height, width, 3))
-        pixels = np.clip(np.asarray(smooth, dtype=np.int16) + noise, 0, 255)
-        Image.fromarray(pixels.astype(np.uint8)).save(
-            os.path.join(folder, f"{index}.jpg"), quality=90
-        )
-
-
-def reference_loader(root: str, im_size: int, batch: int, workers: int):
-    """torchvision's ImageFolder with the classic PIL transforms."""
-    transform = classic.Compose([
-        classic.RandomResizedCrop(im_size),
-        classic.RandomHorizontalFlip(),
-        classic.ToTensor(),
-        classic.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])  # fmt: skip
-    dataset = torchvision.datasets.ImageFolder(root, transform)
-    return torch.utils.data.DataLoader(
-        dataset,
-        batch_size=batch,
-        shuffle=True,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        drop_last=True,
-    )
-
-
-def our_loader(args: argparse.Namespace, root: str):
-    """Our training loader of the folder ``root``/train, as a run builds it on
-    the CPU, and the normaliser of its batches."""
-    size = args.data_im_size
-    opts = ["DATA.NAME", "imagefolder", "TRAIN.DATASET", root, "TEST.DATASET", root]
-    opts += ["TRAIN.IM_SIZE", str(size), "TEST.IM_SIZE", str(size)]
-    opts += ["TRAIN.WORKERS", str(args.workers), "MODEL.NUM_CLASSES", "2"]
-    cfg = load_cfg(None, opts + ["TEST.SPLIT", "train", "DEVICE", "cpu"])
-    dataset = build_dataset(cfg, train=True)
-    device = torch.device("cpu")
-    loader = build_train_loader(cfg, dataset, 0, 1, 0, device, args.data_batch)
-    return loader, build_normalizer(cfg, device)
-
-
 def bench_data(args: argparse.Namespace, work_dir: str) -> dict:
-    """The data-pipeline measurement: img/s of one epoch of each loader."""
-    root = os.path.join(work_dir, "jpegs")
-    write_jpeg_folder(os.path.join(root, "train"), args.data_images)
-    ours, normalize = our_loader(args, root)
-    reference = reference_loader(
-        os.path.join(root, "train"), args.data_im_size, args.data_batch, args.workers
-    )
-    epoch = [0]
-
-    def ours_epoch() -> int:
-        ours.sampler.set_epoch(epoch[0])
-        epoch[0] += 1
-        return sum(len(normalize(batch)) for batch, _ in ours)
-
-    def reference_epoch() -> int:
-        return sum(len(batch) for batch, _ in reference)
-
-    sides = {"ours": ours_epoch, "torchvision": reference_epoch}
+    """The data-pipeline measurement: img/s of one epoch of each loader, ours
+    with the default decoder and with each of ``--decoders`` (see
+    :mod:`distribuuuu.data.throughput`)."""
+    decoders = [name for name in args.decoders.split(",") if name]
+    sizes = (args.data_images, args.data_im_size, args.data_batch, args.workers)
+    sides = data_pipeline_sides(os.path.join(work_dir, "jpegs"), *sizes, decoders)
     interleave(sides, 1)  # starts the persistent workers
     return interleave(sides, args.repeats)
 
@@ -348,16 +289,19 @@ def bench_startup(args: argparse.Namespace, work_dir: str) -> dict:
 
 
 def _row(name: str, result: dict, unit: str = "img/s") -> str:
-    sides = [key for key in result if key not in ("ratio", "cpu")]
+    sides = [key for key in result if key not in ("ratio", "ratios", "cpu")]
     cells = [
         f"{key} {result[key]['median']:.1f} ({result[key]['min']:.1f}-"
         f"{result[key]['max']:.1f})"
         for key in sides
     ]
     text = f"{name:<18} {unit:<6} " + "  ".join(cells)
-    ratio = result.get("ratio")
-    if ratio:
-        text += f"  ratio {ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})"
+    ratios = result.get("ratios")
+    if ratios is None:  # two sides: the ratio of the first to the second
+        ratios = {"": result["ratio"]} if "ratio" in result else {}
+    for side, ratio in ratios.items():
+        spread = f"{ratio['min']:.3f}-{ratio['max']:.3f}"
+        text += f"  {f'ratio {side}'.rstrip()} {ratio['median']:.3f} ({spread})"
     return text
 
 

@@ -26,6 +26,7 @@ from distribuuuu.config.keys import (
     DEVICES,
     DIST_MODES,
     LR_POLICIES,
+    MAX_INIT_TIMEOUT,
     OPTIMIZERS,
     PRECISIONS,
     STRATEGIES,
@@ -45,11 +46,7 @@ from distribuuuu.config.loading import (
     parse_yaml,
 )
 from distribuuuu.config.reference import describe_keys, format_config_reference
-from distribuuuu.config.validation import (
-    MAX_INIT_TIMEOUT,
-    resolve_data_name,
-    validate_cfg,
-)
+from distribuuuu.config.validation import resolve_data_name, validate_cfg
 
 __all__ = [
     "AUTO_AUGMENTS",

@@ -12,104 +12,19 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import warnings
 from typing import Any
 
 from yacs.config import CfgNode
 
-from distribuuuu.config.keys import CHOICES, TRACKERS, ConfigError, get_key
+from distribuuuu.config.keys import (
+    CHOICES,
+    RANGES,
+    TRACKERS,
+    ConfigError,
+    get_key,
+)
 
-# Longest DIST.INIT_TIMEOUT in seconds (7 days): far beyond any start-up.
-MAX_INIT_TIMEOUT = 7 * 24 * 3600
-# CFG_DEST: a plain file name in OUT_DIR; no file of a run (log.txt, best.pth,
-# checkpoints/, tb/, metrics.jsonl, ...) ends in .yaml, so it cannot name one.
-_CFG_DEST = re.compile(r"[\w+-][\w.+-]{0,250}\.ya?ml")
-
-# Checks of single values: key -> (test, what is allowed).
-_RANGES = {
-    "MODEL.NUM_CLASSES": (lambda v: v >= 1, "must be >= 1"),
-    "DATA.SYNTHETIC_SIZE": (
-        lambda v: len(v) == 2 and min(v) >= 1,
-        "must be [train_images, val_images], both >= 1",
-    ),
-    "TRAIN.BATCH_SIZE": (lambda v: v >= 1, "must be >= 1"),
-    "TRAIN.ACCUM_STEPS": (lambda v: v >= 1, "must be >= 1"),
-    "TRAIN.IM_SIZE": (lambda v: v >= 1, "must be >= 1"),
-    "TRAIN.WORKERS": (lambda v: v >= 0, "must be >= 0"),
-    "TRAIN.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
-    "TRAIN.TOPK": (lambda v: v >= 1, "must be >= 1"),
-    "TRAIN.PROFILE_STEPS": (lambda v: v >= 0, "must be >= 0 steps (0 = off)"),
-    "TRAIN.DATA_BOUND_SHARE": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
-    "TRAIN.SINGLE_PROCESS_IMG_PER_S": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "TRAIN.LABEL_SMOOTHING": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "TRAIN.MIXUP_ALPHA": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "TRAIN.CUTMIX_ALPHA": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "TRAIN.MIX_PROB": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "TRAIN.MIX_SWITCH_PROB": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "TRAIN.PRECISE_BN": (lambda v: v >= 0, "must be >= 0 batches (0 = off)"),
-    "MODEL.EMA_DECAY": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "MODEL.EMA_EVERY": (lambda v: v >= 1, "must be >= 1"),
-    "DATA.RANDAUG_N": (lambda v: v >= 1, "must be >= 1"),
-    "DATA.RANDAUG_M": (lambda v: 0 <= v <= 30, "must be in [0, 30]"),
-    "DATA.RANDOM_ERASING": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
-    "DATA.REPEATED_AUG": (lambda v: v >= 1, "must be >= 1 (1 = off)"),
-    "DATA.SHUFFLE_BUFFER": (lambda v: v >= 1, "must be >= 1 (1 = shard order)"),
-    "TEST.BATCH_SIZE": (lambda v: v >= 1, "must be >= 1"),
-    "TEST.IM_SIZE": (lambda v: v >= 1, "must be >= 1"),
-    "TEST.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
-    "OPTIM.MAX_EPOCH": (lambda v: v >= 1, "must be >= 1"),
-    "OPTIM.BASE_LR": (lambda v: v > 0, "must be > 0"),
-    "OPTIM.LR_MULT": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    "OPTIM.LR_GAMMA": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    "OPTIM.ONECYCLE_PCT_START": (lambda v: 0 < v < 1, "must be in (0, 1)"),
-    "OPTIM.ONECYCLE_DIV_FACTOR": (lambda v: v >= 1, "must be >= 1"),
-    "OPTIM.BETAS": (
-        lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
-        "must be [beta1, beta2], both in [0, 1)",
-    ),
-    "OPTIM.EPS": (lambda v: v > 0, "must be > 0"),
-    "TRAIN.HFLIP": (lambda v: v == -1 or 0 <= v <= 1, "must be in [0, 1], or -1"),
-    "MODEL.DROPOUT": (lambda v: v == -1 or 0 <= v < 1, "must be in [0, 1), or -1"),
-    "MODEL.DROP_PATH": (lambda v: v == -1 or 0 <= v < 1, "must be in [0, 1), or -1"),
-    "MODEL.BN_MOMENTUM": (lambda v: v == -1 or 0 <= v <= 1, "must be in [0, 1], or -1"),
-    "MODEL.BN_EPS": (lambda v: v == -1 or v > 0, "must be > 0, or -1"),
-    "TEST.CROP_SIZE": (lambda v: v >= 0, "must be >= 0 (0 = TRAIN.IM_SIZE)"),
-    "TEST.CROP_PCT": (lambda v: 0 <= v <= 1, "must be in (0, 1], or 0 (off)"),
-    "OPTIM.RMSPROP_ALPHA": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "OPTIM.LAYER_DECAY": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)"),
-    "OPTIM.LARS_ETA": (lambda v: v > 0, "must be > 0"),
-    "OPTIM.REFERENCE_BATCH": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "LOG.CLOSE_TIMEOUT": (lambda v: v >= 0, "must be >= 0 seconds"),
-    "OPTIM.MOMENTUM": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "OPTIM.DAMPENING": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "OPTIM.WARMUP_FACTOR": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    "OPTIM.WARMUP_EPOCHS": (lambda v: v >= 0, "must be >= 0"),
-    "OPTIM.WEIGHT_DECAY": (lambda v: v >= 0, "must be >= 0"),
-    "OPTIM.CLIP_GRAD_NORM": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "DIST.INIT_TIMEOUT": (
-        lambda v: 0 < v <= MAX_INIT_TIMEOUT,
-        f"must be in (0, {MAX_INIT_TIMEOUT}] seconds (7 days)",
-    ),
-    "DIST.TENSOR_PARALLEL": (lambda v: v >= 1, "must be >= 1 (1 = off)"),
-    "DIST.STOP_CHECK_STEPS": (lambda v: v >= 1, "must be >= 1"),
-    "DIST.PIPELINE.STAGES": (lambda v: v >= 2, "must be >= 2"),
-    "DIST.PIPELINE.MICROBATCHES": (lambda v: v >= 0, "must be >= 0 (0 = 2 x STAGES)"),
-    "DIST.PIPELINE.VIRTUAL_STAGES": (lambda v: v >= 1, "must be >= 1"),
-    "CHECKPOINT.PERIOD": (lambda v: v >= 1, "must be >= 1"),
-    "CHECKPOINT.KEEP": (lambda v: v >= 0, "must be >= 0 (0 keeps all)"),
-    "CHECKPOINT.KEEP_BEST": (lambda v: v >= 0, "must be >= 0"),
-    "TRAIN.DISTILL.TAU": (lambda v: v > 0, "must be > 0"),
-    "TRAIN.DISTILL.ALPHA": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "CHECKPOINT.PERIOD_ITERS": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "OUT_DIR": (bool, "must name a directory"),
-    "CFG_DEST": (
-        lambda v: bool(_CFG_DEST.fullmatch(v)),
-        "must be a plain file name ending in .yaml or .yml (such as config.yaml), "
-        "which no other file of the run has",
-    ),
-    "RNG_SEED": (lambda v: v is None or 0 <= v < 2**32, "must be in [0, 2**32)"),
-}
 # Classes of the data sets with a fixed label set.
 _FIXED_CLASSES = {"mnist5k": 10, "cifar10": 10, "cifar100": 100}
 
@@ -165,7 +80,7 @@ def _validate_values(cfg: CfgNode) -> None:
     _check_arch("MODEL.ARCH", cfg.MODEL.ARCH)
     for key, choices in CHOICES.items():
         _choice(key, get_key(cfg, key), choices)
-    for key, (test, allowed) in _RANGES.items():
+    for key, (test, allowed) in RANGES.items():
         _check(test(get_key(cfg, key)), key, get_key(cfg, key), allowed)
 
 

@@ -16,6 +16,7 @@ from distribuuuu.config import resolve_data_name
 from distribuuuu.data import datasets as ds
 from distribuuuu.data import gpu_decode
 from distribuuuu.data.datasets import DataError, count_images, find_image_files
+from distribuuuu.data.jpeg import read_image_fused
 from distribuuuu.data.samplers import ExactShardSampler, ResumableTrainSampler
 from distribuuuu.data.shard_streams import EvalStream, ShardLoader, TrainStream
 from distribuuuu.data.shards import (
@@ -116,8 +117,9 @@ def _transform(
     if views and cfg.TEST.TTA in CROP_MODES:
         crop = resize
     if name in _IMAGE_FILES:
+        fused = cfg.DATA.DECODER == "fused"
         return imagenet_transforms(train, size, resize, mean, augment, erasing,
-                                   crop, flip, interpolation)  # fmt: skip
+                                   crop, flip, interpolation, fused)  # fmt: skip
     native = _SMALL_IMAGES[name][0] if name in _SMALL_IMAGES else size
     return small_image_transforms(train, size if train else crop, native, mean,
                                   flip, augment, erasing, interpolation)  # fmt: skip
@@ -140,8 +142,12 @@ def image_reader(cfg: CfgNode) -> Callable[[str], torch.Tensor | Image.Image]:
     """What reads an image file for cfg (DATA.DECODER): a uint8 tensor from
     ``torchvision.io`` or an RGB PIL image; a DataError names a damaged file.
     DATA.DECODER gpu reads a single file as tensor does."""
-    tensor = cfg.DATA.DECODER in ("tensor", "gpu")
-    return ds.decode_image_file if tensor else ds.load_image
+    readers = {
+        "fused": read_image_fused,
+        "tensor": ds.decode_image_file,
+        "gpu": ds.decode_image_file,
+    }
+    return readers.get(cfg.DATA.DECODER, ds.load_image)
 
 
 def build_test_transform(
@@ -211,7 +217,7 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
 def _decode_bytes(cfg: CfgNode) -> Callable[[bytes, str], torch.Tensor | Image.Image]:
     """What decodes an encoded image (DATA.DECODER), as :func:`image_reader`
     reads a file."""
-    as_tensor = cfg.DATA.DECODER == "tensor"
+    as_tensor = cfg.DATA.DECODER != "pil"  # fused and tensor decode alike here
     return lambda data, name: ds.decode_image_bytes(data, name, as_tensor)
 
 

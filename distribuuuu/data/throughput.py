@@ -1,0 +1,111 @@
+"""The loaders that ``tools/benchmark.py --only data`` times, side by side.
+
+Ours, as a training run builds it on the CPU, once with the default
+``DATA.DECODER`` and once per other decoder asked for, then torchvision's
+ImageFolder with the classic PIL transforms (the reference of every ratio),
+all on the same folder of ImageNet-sized JPEGs written first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torchvision
+from PIL import Image
+from torchvision import transforms as classic
+
+from distribuuuu.config import load_cfg
+from distribuuuu.data import build_dataset, build_normalizer, build_train_loader
+from distribuuuu.data.datasets import IMAGENET_MEAN, IMAGENET_STD
+
+# ImageNet's median photo is about 500 x 375 (4:3 landscape); the JPEGs of the
+# data-pipeline measurement have that size.
+JPEG_SIZE = (500, 375)
+
+
+def write_jpeg_folder(root: str, images: int, classes: int = 2) -> None:
+    """``images`` JPEGs of JPEG_SIZE in ``classes`` class folders under ``root``.
+
+    Smooth colour fields with mild noise, saved at quality 90: they decode at
+    about the speed of photos, unlike pure noise, which is far slower.
+    """
+    generator = np.random.default_rng(0)
+    width, height = JPEG_SIZE
+    for index in range(images):
+        folder = os.path.join(root, f"c{index % classes}")
+        os.makedirs(folder, exist_ok=True)
+        coarse = generator.integers(0, 256, (height // 16, width // 16, 3))
+        smooth = Image.fromarray(coarse.astype(np.uint8)).resize(
+            JPEG_SIZE, Image.Resampling.BICUBIC
+        )
+        noise = generator.integers(-12, 13, (height, width, 3))
+        pixels = np.clip(np.asarray(smooth, dtype=np.int16) + noise, 0, 255)
+        Image.fromarray(pixels.astype(np.uint8)).save(
+            os.path.join(folder, f"{index}.jpg"), quality=90
+        )
+
+
+def reference_loader(root: str, im_size: int, batch: int, workers: int):
+    """torchvision's ImageFolder with the classic PIL transforms."""
+    transform = classic.Compose([
+        classic.RandomResizedCrop(im_size),
+        classic.RandomHorizontalFlip(),
+        classic.ToTensor(),
+        classic.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])  # fmt: skip
+    dataset = torchvision.datasets.ImageFolder(root, transform)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        drop_last=True,
+    )
+
+
+def our_loader(root: str, im_size: int, batch: int, workers: int, decoder: str = ""):
+    """Our training loader of the folder ``root``/train, as a run builds it on
+    the CPU (DATA.DECODER ``decoder``, or the default), and the normaliser of
+    its batches."""
+    opts = ["DATA.NAME", "imagefolder", "TRAIN.DATASET", root, "TEST.DATASET", root]
+    opts += ["DATA.DECODER", decoder] if decoder else []
+    opts += ["TRAIN.IM_SIZE", str(im_size), "TEST.IM_SIZE", str(im_size)]
+    opts += ["TRAIN.WORKERS", str(workers), "MODEL.NUM_CLASSES", "2"]
+    cfg = load_cfg(None, opts + ["TEST.SPLIT", "train", "DEVICE", "cpu"])
+    dataset = build_dataset(cfg, train=True)
+    device = torch.device("cpu")
+    loader = build_train_loader(cfg, dataset, 0, 1, 0, device, batch)
+    return loader, build_normalizer(cfg, device)
+
+
+def data_pipeline_sides(
+    root: str, images: int, im_size: int, batch: int, workers: int, decoders: list
+) -> dict[str, Callable[[], int]]:
+    """Write ``images`` JPEGs under ``root``/train; return one epoch of each
+    loader, which returns the images it served: ``"ours"`` (the default
+    decoder), each of ``decoders``, then ``"torchvision"``."""
+    write_jpeg_folder(os.path.join(root, "train"), images)
+    loading = (im_size, batch, workers)
+    sides = {"ours": _our_epoch(*our_loader(root, *loading))}
+    for decoder in decoders:
+        sides[decoder] = _our_epoch(*our_loader(root, *loading, decoder))
+    reference = reference_loader(os.path.join(root, "train"), *loading)
+    sides["torchvision"] = lambda: sum(len(images) for images, _ in reference)
+    return sides
+
+
+def _our_epoch(loader, normalize) -> Callable[[], int]:
+    """One epoch of our ``loader`` (the next epoch each call), batches
+    normalised."""
+    epochs = itertools.count()
+
+    def run() -> int:
+        loader.sampler.set_epoch(next(epochs))
+        return sum(len(normalize(batch)) for batch, _ in loader)
+
+    return run

@@ -1,0 +1,153 @@
+"""DATA.DECODER fused: the tensor decoder's crops, pixels and errors, faster.
+
+The JPEGs are made here with PIL: several sizes (odd ones, not whole MCUs),
+chroma subsampling 4:2:0, 4:2:2 and 4:4:4, progressive, grey and CMYK (which
+takes the tensor decoder's path), beside a PNG.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from distribuuuu.config import load_cfg
+from distribuuuu.data import SeededDataset, build_dataset, image_reader
+from distribuuuu.data import datasets as ds
+from distribuuuu.data.datasets import DataError, decode_image_file
+from distribuuuu.data.jpeg import jpeg_frame, read_image_fused
+from distribuuuu.data.samplers import sample_seed
+
+# name: (width, height, PIL mode, save options); PNG and CMYK take the
+# tensor decoder's path, the others the fused one.
+IMAGES = {
+    "baseline420.jpg": (500, 375, "RGB", {"quality": 90}),
+    "odd422.jpg": (131, 97, "RGB", {"quality": 85, "subsampling": 1}),
+    "progressive444.jpg": (97, 141, "RGB", {"progressive": True, "subsampling": 0}),
+    "grey.jpg": (120, 90, "L", {"quality": 90}),
+    "cmyk.jpg": (90, 70, "CMYK", {"quality": 90}),
+    "ramp.png": (80, 60, "RGB", {}),
+}
+SLOW_PATH = {"cmyk.jpg", "ramp.png"}
+
+
+def _pixels(width: int, height: int, seed: int) -> np.ndarray:
+    """Smooth colour fields with noise: edges, gradients and fine detail."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, (max(2, height // 8), max(2, width // 8), 3))
+    smooth = Image.fromarray(coarse.astype(np.uint8)).resize(
+        (width, height), Image.Resampling.BICUBIC
+    )
+    noise = rng.integers(-20, 21, (height, width, 3))
+    return np.clip(np.asarray(smooth, np.int16) + noise, 0, 255).astype(np.uint8)
+
+
+def _write(path, width: int, height: int, mode: str, options: dict) -> None:
+    image = Image.fromarray(_pixels(width, height, len(str(path))))
+    image.convert(mode).save(path, **options)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jpegs")
+    for label in range(2):
+        (root / "train" / f"c{label}").mkdir(parents=True)
+    for index, (name, (width, height, mode, options)) in enumerate(IMAGES.items()):
+        _write(root / "train" / f"c{index % 2}" / name, width, height, mode, options)
+    return root
+
+
+def _cfg(root, decoder: str):
+    words = f"TRAIN.DATASET {root} TEST.DATASET {root} TEST.SPLIT train "
+    words += "TRAIN.IM_SIZE 64 TEST.IM_SIZE 72 MODEL.NUM_CLASSES 2 "
+    return load_cfg(None, [*words.split(), "DATA.DECODER", decoder])
+
+
+def test_fused_crops_are_the_tensor_decoders_bit_for_bit(folder, monkeypatch):
+    """Same seed, same crop, flip and pixels as torchvision.io.decode_jpeg then
+    v2.RandomResizedCrop and v2.RandomHorizontalFlip (the tensor decoder);
+    only CMYK and PNG files take the tensor decoder's own path."""
+    reference = SeededDataset(build_dataset(_cfg(folder, "tensor"), train=True))
+    reference_val = build_dataset(_cfg(folder, "tensor"), train=False)
+    slow = []
+
+    def counted(path: str) -> torch.Tensor:
+        slow.append(path.rsplit("/", 1)[1])
+        return decode_image_file(path)
+
+    monkeypatch.setattr(ds, "decode_image_file", counted)
+    fused = SeededDataset(build_dataset(_cfg(folder, "fused"), train=True))
+    fused_val = build_dataset(_cfg(folder, "fused"), train=False)
+    crops = []
+    for epoch in range(3):
+        for index in range(len(fused.dataset)):
+            seed = sample_seed(7, epoch, index)
+            image, label = fused[(index, seed)]
+            expected, expected_label = reference[(index, seed)]
+            assert image.shape == (3, 64, 64) and image.dtype == torch.uint8
+            assert torch.equal(image, expected) and label == expected_label
+            crops.append(image)
+    assert not torch.equal(crops[0], crops[len(IMAGES)])  # another epoch, crop
+    for (image, _), (expected, _) in zip(fused_val, reference_val):
+        assert torch.equal(image, expected)
+    assert set(slow) == SLOW_PATH
+
+
+def test_jpeg_frame_reads_the_size_and_refuses_damaged_headers():
+    def encoded(mode: str = "RGB", **options) -> bytes:
+        out = io.BytesIO()
+        Image.fromarray(_pixels(45, 33, 0)).convert(mode).save(out, "JPEG", **options)
+        return out.getvalue()
+
+    assert jpeg_frame(encoded()) == (0xC0, 8, 33, 45, 3)
+    assert jpeg_frame(encoded(progressive=True)) == (0xC2, 8, 33, 45, 3)
+    assert jpeg_frame(encoded("L")) == (0xC0, 8, 33, 45, 1)
+    assert jpeg_frame(encoded("CMYK"))[4] == 4
+    exif = Image.Exif()
+    exif[0x010E] = "x" * 5000  # a long APP1 segment before the frame
+    assert jpeg_frame(encoded(exif=exif.tobytes())) == (0xC0, 8, 33, 45, 3)
+    data = encoded()
+    frame = data.index(b"\xff\xc0")
+    assert jpeg_frame(data[: frame + 6]) is None  # cut inside the frame header
+    assert jpeg_frame(data[:frame]) is None  # cut before it
+    assert jpeg_frame(data[:2] + b"\xff\xe0\x00\x00" + data[2:]) is None  # length 0
+    assert jpeg_frame(data[:2] + b"\xff\xda" + data[2:]) is None  # scan first
+    assert jpeg_frame(b"\xff\xd8 not really a jpeg") is None
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(png, "PNG")
+    assert jpeg_frame(png.getvalue()) is None
+
+
+def _error(read, path) -> str:
+    with pytest.raises(DataError) as error:
+        read(str(path))
+    return str(error.value)
+
+
+def test_fused_errors_and_pixel_limit_are_the_tensor_decoders(tmp_path):
+    good = io.BytesIO()
+    Image.fromarray(_pixels(64, 48, 1)).save(good, "JPEG", quality=90)
+    data = good.getvalue()
+    scan = data.index(b"\xff\xda")
+    damaged = {
+        "garbage.jpg": b"\xff\xd8 not really a jpeg",
+        "truncated_header.jpg": data[: scan - 40],
+        "no_scan_data.jpg": data[: scan + 20],
+        "missing.jpg": None,
+    }
+    frame = data.index(b"\xff\xc0")  # height and width 5-8 bytes after it
+    size = (9000).to_bytes(2, "big") + (12000).to_bytes(2, "big")  # over the limit
+    damaged["bomb.jpg"] = data[: frame + 5] + size + data[frame + 9 :]
+    for name, content in damaged.items():
+        if content is not None:
+            (tmp_path / name).write_bytes(content)
+        message = _error(read_image_fused, tmp_path / name)
+        assert message == _error(decode_image_file, tmp_path / name)
+        assert message.startswith(f"cannot read image {tmp_path / name}: ")
+    assert re.search("12000 x 9000 pixels, more than", message)
+    read = image_reader(load_cfg(None, ["DATA.DECODER", "fused"]))
+    assert read is read_image_fused
