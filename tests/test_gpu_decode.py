@@ -33,9 +33,9 @@ from distribuuuu.data.gpu_decode import (
     EncodedSample,
     collate_encoded,
     decode_batch,
-    jpeg_header,
     read_encoded,
 )
+from distribuuuu.data.jpeg import jpeg_header
 from distribuuuu.data.samplers import sample_seed
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -111,7 +111,7 @@ def test_header_gives_the_size_and_what_the_device_takes():
         header = jpeg_header(_jpeg_bytes(image, **options))
         assert (header.width, header.height) == (123, 77)
         assert header.components == components and header.precision == 8
-        assert header.on_device is on_device
+        assert header.plain_8bit is on_device
 
 
 def test_header_refuses_garbage_and_truncations_quickly():

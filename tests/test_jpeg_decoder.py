@@ -19,7 +19,7 @@ from distribuuuu.config import load_cfg
 from distribuuuu.data import SeededDataset, build_dataset, image_reader
 from distribuuuu.data import datasets as ds
 from distribuuuu.data.datasets import DataError, decode_image_file
-from distribuuuu.data.jpeg import jpeg_frame, read_image_fused
+from distribuuuu.data.jpeg import jpeg_header, read_image_fused
 from distribuuuu.data.samplers import sample_seed
 
 # name: (width, height, PIL mode, save options); PNG and CMYK take the
@@ -97,7 +97,14 @@ def test_fused_crops_are_the_tensor_decoders_bit_for_bit(folder, monkeypatch):
     assert set(slow) == SLOW_PATH
 
 
-def test_jpeg_frame_reads_the_size_and_refuses_damaged_headers():
+def test_jpeg_header_reads_the_size_and_refuses_damaged_headers():
+    def jpeg_frame(data):
+        header = jpeg_header(data)
+        if header is None:
+            return None
+        return (header.marker, header.precision, header.height, header.width,
+                header.components)  # fmt: skip
+
     def encoded(mode: str = "RGB", **options) -> bytes:
         out = io.BytesIO()
         Image.fromarray(_pixels(45, 33, 0)).convert(mode).save(out, "JPEG", **options)

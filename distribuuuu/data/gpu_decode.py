@@ -25,87 +25,17 @@ from torch import nn
 from torchvision.transforms import v2
 
 from distribuuuu.data.datasets import DataError, decode_image_file, max_image_pixels
+from distribuuuu.data.jpeg import START_OF_IMAGE, JpegHeader, jpeg_header
 from distribuuuu.data.transforms import ToNormalizedFloat
 
 logger = logging.getLogger(__name__)
 
-_START_OF_IMAGE = b"\xff\xd8"
-# Start-of-frame markers (ITU-T T.81 table B.1): 0xC0-0xCF except DHT (0xC4),
-# JPG (0xC8) and DAC (0xCC).
-_FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-# The frames decoded on the device: baseline, extended and progressive
-# Huffman coding (what nvJPEG decodes), of 8-bit samples.
-_DEVICE_FRAMES = (0xC0, 0xC1, 0xC2)
-# Markers without a length: TEM and the restart markers RST0-RST7.
-_STANDALONE_MARKERS = frozenset([0x01, *range(0xD0, 0xD8)])
 # A JPEG file larger than this many bytes per pixel of the pixel limit is
 # refused before it is read whole (raw 8-bit RGB is 3 bytes per pixel).
 _BYTES_PER_PIXEL = 4
 # Pixels of full-size images decoded in one call: the device memory they hold
 # at once (3 bytes a pixel: about 200 MB), whatever the batch size.
 DECODE_PIXELS = 2**26
-
-
-@dataclass(frozen=True)
-class JpegHeader:
-    """What a JPEG frame header says: size, samples, and its marker."""
-
-    height: int
-    width: int
-    components: int
-    precision: int
-    marker: int
-
-    @property
-    def on_device(self) -> bool:
-        """True when the device decoder takes the image (8-bit Huffman coded,
-        grey or three components)."""
-        return (
-            self.marker in _DEVICE_FRAMES
-            and self.precision == 8
-            and self.components in (1, 3)
-        )
-
-
-def jpeg_header(data: bytes) -> JpegHeader | None:
-    """The frame header of the JPEG file ``data``, read without decoding it;
-    None when ``data`` is not a JPEG with a frame header before its first scan.
-
-    Walks the marker segments from the start, each step at least one byte on,
-    and never reads past the end of ``data``: any input ends in one pass.
-    """
-    if data[:2] != _START_OF_IMAGE:
-        return None
-    position, end = 2, len(data)
-    while position + 4 <= end:
-        if data[position] != 0xFF:
-            return None  # not a marker where one must be
-        marker = data[position + 1]
-        if marker == 0xFF:  # fill byte
-            position += 1
-            continue
-        if marker in _STANDALONE_MARKERS:
-            position += 2
-            continue
-        length = int.from_bytes(data[position + 2 : position + 4], "big")
-        if marker in (0xD8, 0xD9, 0xDA) or length < 2:
-            return None  # another SOI, the end or a scan before any frame
-        if marker in _FRAME_MARKERS:
-            segment = data[position + 4 : position + 2 + length]
-            if len(segment) < 6:
-                return None
-            components = segment[5]
-            header = JpegHeader(
-                height=int.from_bytes(segment[1:3], "big"),
-                width=int.from_bytes(segment[3:5], "big"),
-                components=components,
-                precision=segment[0],
-                marker=marker,
-            )
-            complete = components > 0 and len(segment) >= 6 + 3 * components
-            return header if complete and header.height and header.width else None
-        position += 2 + length
-    return None
 
 
 @dataclass(frozen=True)
@@ -129,11 +59,11 @@ def read_encoded(path: str) -> EncodedJpeg | torch.Tensor:
     limit = max_image_pixels()
     most = None if limit is None else _BYTES_PER_PIXEL * limit
     with open(path, "rb") as f:
-        if f.read(2) != _START_OF_IMAGE:
+        if f.read(2) != START_OF_IMAGE:
             return decode_image_file(path)  # not a JPEG: read it once, there
-        data = _START_OF_IMAGE + (f.read() if most is None else f.read(most - 1))
+        data = START_OF_IMAGE + (f.read() if most is None else f.read(most - 1))
     header = jpeg_header(data)
-    if header is None or not header.on_device:
+    if header is None or not header.plain_8bit:
         return decode_image_file(path)
     if most is not None and len(data) > most:
         raise DataError(f"cannot read image {path}: more than {most} bytes")

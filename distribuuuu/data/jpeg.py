@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -27,66 +28,87 @@ try:  # deprecated in torchvision 0.29, like the decoder of datasets.py
 except ImportError:  # gone: every file takes the tensor decoder's path
     decode_jpeg = None
 
-# Frame headers (SOFn) whose pixels torchvision's libjpeg-turbo decodes to 8
-# bits: baseline, extended sequential and progressive, Huffman-coded.  The
-# other SOFn (lossless, arithmetic-coded) take the tensor decoder's path.
-_FRAMES = (0xC0, 0xC1, 0xC2)
-_ALL_FRAMES = {*range(0xC0, 0xD0)} - {0xC4, 0xC8, 0xCC}  # C4, C8, CC: not frames
-# Markers without a length field: TEM and the restart markers (EOI ends below).
-_STANDALONE = {0x01, *range(0xD0, 0xD8)}
+START_OF_IMAGE = b"\xff\xd8"
+# Start-of-frame markers (ITU-T T.81 table B.1): 0xC0-0xCF except DHT (0xC4),
+# JPG (0xC8) and DAC (0xCC).
+_FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# Baseline, extended and progressive Huffman coding: the frames that
+# libjpeg-turbo (torchvision.io on the CPU) and nvJPEG both decode.
+_PLAIN_FRAMES = (0xC0, 0xC1, 0xC2)
+# Markers without a length: TEM and the restart markers RST0-RST7.
+_STANDALONE_MARKERS = frozenset([0x01, *range(0xD0, 0xD8)])
 
 
-def jpeg_frame(data: bytes | bytearray) -> tuple[int, int, int, int, int] | None:
-    """(marker, precision, height, width, components) of the JPEG ``data``'s
-    frame header; None when ``data`` is not a JPEG or its header is cut short
-    or malformed before the frame.
+@dataclass(frozen=True)
+class JpegHeader:
+    """What a JPEG frame header says: size, samples, and its marker."""
 
-    Walks the marker segments from the start of the file (each names its own
-    length), so a damaged file ends the walk within its length.
+    height: int
+    width: int
+    components: int
+    precision: int
+    marker: int
+
+    @property
+    def plain_8bit(self) -> bool:
+        """True for 8-bit Huffman-coded (baseline, extended or progressive)
+        grey or three-component images: what DATA.DECODER fused reads
+        straight to the decoder and nvJPEG decodes on the GPU."""
+        return (
+            self.marker in _PLAIN_FRAMES
+            and self.precision == 8
+            and self.components in (1, 3)
+        )
+
+
+def jpeg_header(data: bytes) -> JpegHeader | None:
+    """The frame header of the JPEG file ``data``, read without decoding it;
+    None when ``data`` is not a JPEG with a frame header before its first scan.
+
+    Walks the marker segments from the start, each step at least one byte on,
+    and never reads past the end of ``data``: any input ends in one pass.
     """
-    if data[:3] != b"\xff\xd8\xff":
+    if data[:2] != START_OF_IMAGE:
         return None
     position, end = 2, len(data)
     while position + 4 <= end:
         if data[position] != 0xFF:
-            return None
+            return None  # not a marker where one must be
         marker = data[position + 1]
-        if marker == 0xFF:  # fill byte before a marker
+        if marker == 0xFF:  # fill byte
             position += 1
             continue
-        if marker in _STANDALONE:
+        if marker in _STANDALONE_MARKERS:
             position += 2
             continue
-        if marker in (0xD8, 0xD9, 0xDA):  # SOI again, EOI or scan before a frame
-            return None
-        length = (data[position + 2] << 8) | data[position + 3]
-        if marker in _ALL_FRAMES:
-            if length < 8 or position + 10 > end:
+        length = int.from_bytes(data[position + 2 : position + 4], "big")
+        if marker in (0xD8, 0xD9, 0xDA) or length < 2:
+            return None  # another SOI, the end or a scan before any frame
+        if marker in _FRAME_MARKERS:
+            segment = data[position + 4 : position + 2 + length]
+            if len(segment) < 6:
                 return None
-            fields = data[position + 4 : position + 10]
-            height, width = (fields[1] << 8) | fields[2], (fields[3] << 8) | fields[4]
-            return marker, fields[0], height, width, fields[5]
-        if length < 2:
-            return None
+            components = segment[5]
+            header = JpegHeader(
+                height=int.from_bytes(segment[1:3], "big"),
+                width=int.from_bytes(segment[3:5], "big"),
+                components=components,
+                precision=segment[0],
+                marker=marker,
+            )
+            complete = components > 0 and len(segment) >= 6 + 3 * components
+            return header if complete and header.height and header.width else None
         position += 2 + length
     return None
 
 
-def _fast_path(frame: tuple[int, int, int, int, int] | None) -> bool:
-    """True for an 8-bit grey or YCbCr/RGB JPEG within the pixel limit whose
-    height is in its frame header (not deferred to a DNL marker)."""
-    if frame is None:
+def _fast_path(header: JpegHeader | None) -> bool:
+    """True for a plain 8-bit JPEG within the pixel limit (see
+    :attr:`JpegHeader.plain_8bit`)."""
+    if header is None or not header.plain_8bit:
         return False
-    marker, precision, height, width, components = frame
     limit = ds.max_image_pixels()
-    return (
-        marker in _FRAMES
-        and precision == 8
-        and components in (1, 3)
-        and height > 0
-        and width > 0
-        and (limit is None or width * height <= limit)
-    )
+    return limit is None or header.width * header.height <= limit
 
 
 def read_image_fused(path: str) -> torch.Tensor:
@@ -105,7 +127,7 @@ decode_image_file`, faster for 8-bit JPEGs (see the module doc).
             del data[f.readinto(data) :]
     except OSError:
         return ds.decode_image_file(path)  # names the file as it always does
-    if not _fast_path(jpeg_frame(data)):
+    if not _fast_path(jpeg_header(data)):
         return ds.decode_image_file(path)
     try:
         with warnings.catch_warnings():
