@@ -17,6 +17,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from helpers import error_line
 
 from distribuuuu import cli
 from distribuuuu.config import ConfigError
@@ -33,15 +34,6 @@ def load_tool(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def error_line(capsys) -> str:
-    """The one stderr line printed (nothing on stdout, no traceback)."""
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
-    assert captured.out == ""
-    return lines[0]
 
 
 # --------------------------------------------------------------------------- #
