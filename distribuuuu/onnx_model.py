@@ -28,7 +28,7 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
-from distribuuuu.config import get_cfg, resolve_data_name
+from distribuuuu.config import CHOICES, DATA_NAMES, get_cfg, resolve_data_name
 from distribuuuu.data import build_normalizer, build_test_transform, eval_sizes
 from distribuuuu.data.transforms import INTERPOLATIONS, ToNormalizedFloat
 
@@ -41,8 +41,9 @@ _PREFIX = "distribuuuu."
 _MAX_VALUE_CHARS = 16 << 20
 _MAX_CLASSES, _MAX_NAME_CHARS = 100_000, 1_000
 _MAX_SIZE = 8192
-_DATA_NAMES = ("mnist5k", "cifar10", "cifar100", "imagefolder", "synthetic")
-_DECODERS = ("tensor", "pil")
+# The resolved data set names (never "auto") and the decoders of the config.
+_DATA_NAMES = tuple(name for name in DATA_NAMES if name != "auto")
+_DECODERS = CHOICES["DATA.DECODER"]
 # protobuf cannot hold a larger model in one file.
 _MAX_FILE_BYTES = 2**31
 _UNSUPPORTED = re.compile(r"No ONNX function found for <OpOverload\(op='([^']+)'")
@@ -130,7 +131,9 @@ class OnnxMetadata:
         """A cfg whose evaluation transform and image reader are this file's."""
         cfg = get_cfg()
         cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES = self.arch, len(self.classes)
-        cfg.DATA.NAME, cfg.DATA.DECODER = self.data_name, self.decoder
+        # Files are read on the CPU here: gpu's pixels there are tensor's.
+        decoder = "tensor" if self.decoder == "gpu" else self.decoder
+        cfg.DATA.NAME, cfg.DATA.DECODER = self.data_name, decoder
         cfg.TRAIN.IM_SIZE = cfg.TEST.CROP_SIZE = self.input_size
         cfg.TEST.IM_SIZE, cfg.TEST.CROP_PCT = self.resize, 0.0
         cfg.TEST.INTERPOLATION = self.interpolation

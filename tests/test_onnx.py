@@ -22,7 +22,7 @@ from PIL import Image
 from torch import nn
 
 from distribuuuu import models, onnx_model
-from distribuuuu.config import get_cfg
+from distribuuuu.config import CHOICES, get_cfg
 from distribuuuu.data import build_dataset, build_normalizer
 from distribuuuu.export import validation_batches
 from distribuuuu.tools import export as export_tool
@@ -163,6 +163,19 @@ def test_predict_uses_the_saved_pipeline(tmp_path: Path, capsys):
     assert (metadata.resize, metadata.input_size) == (36, 32)
     assert (metadata.interpolation, metadata.decoder) == ("bicubic", "pil")
     assert metadata.mean == (0.485, 0.456, 0.406)  # ImageNet's
+
+
+@pytest.mark.parametrize("decoder", CHOICES["DATA.DECODER"])
+def test_metadata_holds_every_decoder_a_run_may_use(decoder):
+    """A run of any DATA.DECODER exports metadata that reads back, and
+    predicts by reading files on the CPU (gpu's pixels there are tensor's)."""
+    cfg = get_cfg()
+    cfg.DATA.DECODER = decoder
+    metadata = onnx_model.OnnxMetadata.from_cfg(cfg, [str(i) for i in range(10)])
+    again = onnx_model.OnnxMetadata.from_props(metadata.to_props(), "m.onnx")
+    assert again == metadata and again.decoder == decoder
+    expected = "tensor" if decoder == "gpu" else decoder
+    assert expected == again.eval_cfg().DATA.DECODER
 
 
 # --------------------------------------------------------------------------- #

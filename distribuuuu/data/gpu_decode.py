@@ -311,6 +311,16 @@ class DeviceDecoder(nn.Module):
         super().__init__()
         self.normalize = normalize
 
+    @property
+    def mean(self) -> tuple[float, float, float]:
+        """The mean of ``normalize`` (what exported models record)."""
+        return self.normalize.mean
+
+    @property
+    def std(self) -> tuple[float, float, float]:
+        """The std of ``normalize``."""
+        return self.normalize.std
+
     def forward(self, images: EncodedBatch | torch.Tensor) -> torch.Tensor:
         if isinstance(images, EncodedBatch):
             images = decode_batch(images, self.normalize.shift.device)
