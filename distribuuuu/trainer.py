@@ -186,7 +186,7 @@ def build_train_state(
         blocks = zero_init_residual(model)
         logger.info("residual branches zero-initialised in %d blocks", blocks)
     size = reports.model_size(model)
-    resolve_auto_precision(cfg, device)  # done already inside run_context
+    resolve_auto_precision(cfg, device)  # for callers outside run_context (benchmark)
     amp_dtype, use_scaler = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
     strategy = build_strategy(cfg, device, amp_dtype)
     model, channels_last = prepare_model(cfg, strategy, model)
