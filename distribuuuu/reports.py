@@ -136,7 +136,8 @@ def format_startup(report: dict) -> str:
         f"{'/'.join(world['devices'])}, {world['threads_per_process']} CPU "
         "thread(s) per process",
         f"  data: {data['name']}, {data['train_images']} train / "
-        f"{data['val_images']} val images, {len(classes)} classes ({shown})",
+        f"{data['val_images']} val images, {len(classes)} classes ({shown}), "
+        f"decoder {data['decoder']}",
         f"  model: {model['arch']}, {_count(model['parameters'])} parameters, "
         f"{model['size_mb']:.2f} MiB; SyncBN {'on' if model['syncbn'] else 'off'}",
         "  memory: " + _memory(report["memory"]),

@@ -27,6 +27,7 @@ from distribuuuu.data import (
     build_normalizer,
     build_test_loader,
     build_train_loader,
+    describe_decoder,
 )
 from distribuuuu.ema import ModelEma
 from distribuuuu.evaluation import EvalSpec, evaluate, evaluate_epoch, strategy_eval
@@ -251,7 +252,12 @@ def report_start(cfg, info, state: TrainState, size, sizes, start: str) -> None:
     report = {
         "versions": reports.versions(),
         "world": reports.world_layout(info, state.device),
-        "data": {"name": cfg.DATA.NAME, **sizes, "class_names": state.classes},
+        "data": {
+            "name": cfg.DATA.NAME,
+            **sizes,
+            "class_names": state.classes,
+            "decoder": describe_decoder(cfg),
+        },
         "model": {"arch": cfg.MODEL.ARCH, "syncbn": cfg.MODEL.SYNCBN, **size},
         "batch": {
             "per_rank": plan.per_rank,

@@ -33,9 +33,8 @@ from distribuuuu.data.gpu_decode import (
     EncodedSample,
     collate_encoded,
     decode_batch,
-    read_encoded,
 )
-from distribuuuu.data.jpeg import jpeg_header
+from distribuuuu.data.jpeg import jpeg_header, read_or_defer
 from distribuuuu.data.samplers import sample_seed
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -151,11 +150,11 @@ def test_pixel_limit_is_checked_from_the_header(tmp_path, monkeypatch):
     _picture(300, 200, 0, 3).save(path)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 300 * 200 - 1)
     with pytest.raises(DataError, match=r"big\.jpg: 300 x 200 pixels"):
-        read_encoded(str(path))
+        read_or_defer(str(path))
     garbage = tmp_path / "bad.jpg"
     garbage.write_bytes(b"\xff\xd8 not really a jpeg")
     with pytest.raises(DataError, match="bad.jpg"):  # named, as tensor names it
-        read_encoded(str(garbage))
+        read_or_defer(str(garbage))
 
 
 # --- workers, collate, and the device side on CPU tensors --------------------
@@ -248,7 +247,7 @@ def test_a_file_damaged_after_its_header_is_named_when_decoded(tmp_path, folder)
     path.write_bytes(
         data[: table + 4] + b"\xff" * (length - 2) + data[table + 2 + length :]
     )
-    encoded = read_encoded(str(path))
+    encoded = read_or_defer(str(path))
     assert encoded.header.width == 64  # the header passes the worker
     transform = build_dataset(_cfg(folder, "gpu"), train=False).transform
     batch, _ = collate_encoded([(transform(encoded), 0)])

@@ -8,7 +8,10 @@ takes the tensor decoder's path), beside a PNG.
 from __future__ import annotations
 
 import io
+import platform
+import random
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -16,10 +19,22 @@ import torch
 from PIL import Image
 
 from distribuuuu.config import load_cfg
-from distribuuuu.data import SeededDataset, build_dataset, image_reader
+from distribuuuu.data import (
+    SeededDataset,
+    build_dataset,
+    describe_decoder,
+    image_reader,
+    turbo,
+)
 from distribuuuu.data import datasets as ds
 from distribuuuu.data.datasets import DataError, decode_image_file
-from distribuuuu.data.jpeg import jpeg_header, read_image_fused
+from distribuuuu.data.jpeg import (
+    JpegFile,
+    jpeg_bytes,
+    jpeg_header,
+    read_image_fused,
+    read_or_defer,
+)
 from distribuuuu.data.samplers import sample_seed
 
 # name: (width, height, PIL mode, save options); PNG and CMYK take the
@@ -158,3 +173,129 @@ def test_fused_errors_and_pixel_limit_are_the_tensor_decoders(tmp_path):
     assert re.search("12000 x 9000 pixels, more than", message)
     read = image_reader(load_cfg(None, ["DATA.DECODER", "fused"]))
     assert read is read_image_fused
+
+
+# --- crop windows decoded by libjpeg-turbo (distribuuuu.data.turbo) ----------
+
+# Where setup.py installs the turbojpeg wheel, whose library decodes windows.
+WHEEL_PLATFORM = (
+    sys.platform == "linux"
+    and platform.machine() == "x86_64"
+    and sys.version_info < (3, 14)
+)
+# (width, height, PIL mode, save options): every subsampling the window
+# decoder takes, baseline and progressive, sizes that are not whole iMCUs.
+WINDOW_JPEGS = [
+    (500, 375, "RGB", {"quality": 90}),
+    (257, 193, "RGB", {"quality": 75, "progressive": True}),
+    (131, 97, "RGB", {"quality": 85, "subsampling": 1}),
+    (97, 141, "RGB", {"quality": 95, "subsampling": 0, "progressive": True}),
+    (120, 90, "L", {"quality": 90}),
+    (33, 17, "L", {"quality": 90, "progressive": True}),
+]
+
+
+def _window_decoder() -> turbo.WindowDecoder:
+    decoder = turbo.window_decoder()
+    if decoder is None:
+        assert not WHEEL_PLATFORM, "the turbojpeg wheel's library was not found"
+        pytest.skip("no libjpeg-turbo 3 on this platform")
+    return decoder
+
+
+def _encoded(width: int, height: int, mode: str, options: dict) -> bytes:
+    out = io.BytesIO()
+    image = Image.fromarray(_pixels(width, height, width * height))
+    image.convert(mode).save(out, "JPEG", **options)
+    return out.getvalue()
+
+
+def _windows(width: int, height: int, count: int, seed: int):
+    """The whole image, corners and edge strips, then random windows."""
+    yield 0, 0, height, width
+    yield 0, 0, 1, 1
+    yield height - 1, width - 1, 1, 1
+    yield 0, width - 3, height, 3
+    yield height - 2, 0, 2, width
+    rng = random.Random(seed)
+    for _ in range(count):
+        h, w = rng.randint(1, height), rng.randint(1, width)
+        yield rng.randint(0, height - h), rng.randint(0, width - w), h, w
+
+
+def test_crop_windows_are_the_whole_decodes_pixels():
+    """Bit for bit the pixels of torchvision.io.decode_jpeg then the crop, for
+    every subsampling, progressive and grey JPEGs, windows at every edge."""
+    decoder = _window_decoder()
+    for index, (width, height, mode, options) in enumerate(WINDOW_JPEGS):
+        data = _encoded(width, height, mode, options)
+        image = jpeg_bytes(data, f"window{index}.jpg")
+        full = image.decode()
+        for top, left, h, w in _windows(width, height, 120, index):
+            expected = full[:, top : top + h, left : left + w]
+            window = decoder.decode(bytearray(data), top, left, h, w)
+            assert window is not None and torch.equal(window, expected), (
+                index, top, left, h, w,
+            )  # fmt: skip
+            assert torch.equal(image.window(top, left, h, w), expected)
+        assert decoder.decode(bytearray(data), 0, 0, height + 1, width) is None
+
+
+def test_whole_images_are_decoded_without_a_window_library(
+    folder, monkeypatch, tmp_path
+):
+    """DISTRIBUUUU_TURBOJPEG=0, a path that is no library, or a library that
+    fails the pixel check at load: no window decoder, and the crops keep the
+    same pixels (the whole image is decoded)."""
+    data = _encoded(*WINDOW_JPEGS[0])
+    image = jpeg_bytes(data, "whole.jpg")
+    expected = image.decode()[:, 40:240, 30:330]
+    decoder = _window_decoder()
+    monkeypatch.setenv(turbo.ENVIRONMENT, decoder.path)
+    assert turbo.find_decoder().path == decoder.path
+    monkeypatch.setenv(turbo.ENVIRONMENT, "0")
+    assert turbo.find_decoder() is None
+    (tmp_path / "libturbojpeg.so").write_text("not a library")
+    monkeypatch.setenv(turbo.ENVIRONMENT, str(tmp_path / "libturbojpeg.so"))
+    assert turbo.find_decoder() is None
+    monkeypatch.delenv(turbo.ENVIRONMENT)
+    monkeypatch.setattr(turbo, "_MARGIN", 0)  # edges upsampled without neighbours
+    assert turbo.find_decoder() is None  # the check at load catches it
+    monkeypatch.setattr(turbo, "_decoder", None)
+    monkeypatch.setattr(turbo, "_searched", True)
+    assert torch.equal(image.window(40, 30, 200, 300), expected)
+    described = describe_decoder(_cfg(folder, "fused"))
+    assert described.startswith("fused (whole JPEGs") and turbo.ENVIRONMENT in described
+
+
+def test_damaged_jpegs_fail_in_the_window_as_in_the_tensor_decoder(tmp_path):
+    """A file whose header reads but whose data is damaged: the window path
+    gives the tensor decoder's pixels or its error, naming the file."""
+    data = _encoded(64, 48, "RGB", {"quality": 90})
+    table = data.index(b"\xff\xc4")  # a Huffman table, after the frame header
+    length = int.from_bytes(data[table + 2 : table + 4], "big")
+    scan = data.index(b"\xff\xda")
+    damaged = {
+        "huffman.jpg": data[: table + 4]
+        + b"\xff" * (length - 2)
+        + data[table + 2 + length :],
+        "cut_scan.jpg": data[: scan + 200],
+        "noise_scan.jpg": data[: scan + 20] + bytes(range(256)) * 2 + b"\xff\xd9",
+    }
+    for name, content in damaged.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        deferred = read_or_defer(str(path))
+        assert isinstance(deferred, JpegFile), name  # the header passes
+        try:
+            expected = decode_image_file(str(path))[:, 5:45, 6:50]
+        except DataError as error:
+            with pytest.raises(DataError) as raised:
+                deferred.window(5, 6, 40, 44)
+            assert str(raised.value) == str(error) and str(path) in str(error)
+        else:
+            assert torch.equal(deferred.window(5, 6, 40, 44), expected), name
+    decoder = turbo.window_decoder()
+    if decoder is not None:  # a refused file leaves the next one decodable
+        assert decoder.decode(bytearray(damaged["huffman.jpg"]), 0, 0, 8, 8) is None
+        assert decoder.decode(bytearray(data), 5, 6, 40, 44) is not None

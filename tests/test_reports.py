@@ -106,6 +106,7 @@ def test_startup_report_names_versions_layout_data_model_and_batch(piped_run):
         "world: 1 process(es) on 1 node(s)",
         "launcher none",
         "data: synthetic, 256 train / 64 val images, 10 classes",
+        "decoder fused",
         "model: resnet8, 78.04 K parameters",
         "memory: 0.30 MiB of parameters on the fullest process",
         "batch: 32 per process x 1 accumulation step(s) x 1 process(es) = global "
@@ -116,6 +117,7 @@ def test_startup_report_names_versions_layout_data_model_and_batch(piped_run):
         assert text in report
     (start,) = read_metrics(out_dir, "start")
     assert start["model"]["parameters"] == 78042
+    assert start["data"]["decoder"] == "fused"
     assert start["batch"]["global"] == 32 and start["world"]["world_size"] == 1
 
 

@@ -267,6 +267,41 @@ def test_a_corrupt_image_in_a_shard_follows_skip_corrupt(digits, tmp_path, skip)
     assert len(labels) == 4  # a readable image stands in: the count stays
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_jpeg_damaged_past_its_header_follows_skip_corrupt_in_training(
+    digits, tmp_path, skip
+):
+    """DATA.DECODER fused decodes a training JPEG in the crop: an error there
+    is a corrupt image, as when the sample is read."""
+    source = tmp_path / "src"
+    for split in ("train", "val"):
+        (source / split / "0").mkdir(parents=True)
+        for i in range(4):
+            image = Image.new("RGB", (40, 30), (i * 60, 10, 10))
+            image.save(source / split / "0" / f"{i}.jpg", quality=90)
+    data = (source / "train" / "0" / "2.jpg").read_bytes()
+    table = data.index(b"\xff\xc4")  # a Huffman table, after the frame header
+    length = int.from_bytes(data[table + 2 : table + 4], "big")
+    broken = data[: table + 4] + b"\xff" * (length - 2) + data[table + 2 + length :]
+    (source / "train" / "0" / "2.jpg").write_bytes(broken)
+    make_shards(str(source), str(tmp_path / "out"), "--samples", "2")
+    out = tmp_path / "out"
+    cfg = load_cfg(None, [*RECIPE, "DATA.NAME", "webdataset", "TRAIN.DATASET",
+                          str(out / "train-{000000..000001}.tar"), "TEST.DATASET",
+                          str(out / "val-{000000..000001}.tar"), "TRAIN.IM_SIZE",
+                          "24", "DATA.SKIP_CORRUPT", str(skip)])  # fmt: skip
+    assert cfg.DATA.DECODER == "fused"
+    dataset = build_dataset(cfg, train=True)
+    loader = build_train_loader(cfg, dataset, 0, 1, 0, CPU, 4)
+    loader.sampler.set_epoch(0)
+    if not skip:
+        with pytest.raises(DataError, match=r"read image .*train-0.*2\.jpg: "):
+            list(loader)
+        return
+    ((images, labels),) = list(loader)
+    assert images.shape == (4, 3, 24, 24)  # a readable image stands in
+
+
 def _train_in_process(out_dir: str, *keys: str) -> dict:
     try:
         train_model(load_cfg(None, [*RECIPE, *keys, "OUT_DIR", out_dir]))

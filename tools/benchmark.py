@@ -44,6 +44,11 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
+try:  # Unix
+    import resource
+except ImportError:
+    resource = None
+
 import torch
 import torchvision
 
@@ -55,7 +60,7 @@ from distribuuuu.baselines import (
 )
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_normalizer
-from distribuuuu.data.throughput import data_pipeline_sides
+from distribuuuu.data.throughput import capped_shard_sides, data_pipeline_sides
 from distribuuuu.distributed import LaunchInfo
 from distribuuuu.evaluation import EvalSpec, evaluate
 from distribuuuu.logger import PACKAGE_LOGGER, MetricsWriter, setup_logging
@@ -99,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--data-images", type=int, default=1024, help="JPEGs in the data folder")
     add("--data-im-size", type=int, default=224, help="crop of the data pipeline")
     add("--data-batch", type=int, default=32, help="batch of the data pipeline")
+    add("--data-max-side", type=int, default=256,
+        help="prepared-data row: shards with this --max-side (0: none)")  # fmt: skip
     add(
         "--decoders",
         default="tensor,pil",
@@ -139,12 +146,18 @@ def interleave(sides: dict[str, Callable[[], int]], repeats: int) -> dict:
 
 
 def cpu_seconds() -> float:
-    """CPU seconds of this process (all threads) and its live child processes.
+    """CPU seconds of this process (all threads) and its child processes.
 
-    The children are the data loader workers; their time is read from
-    ``/proc`` (Linux; elsewhere only this process counts).
+    The children are the data loader workers: those alive are read from
+    ``/proc`` (Linux; elsewhere only this process counts), those ended and
+    reaped (the shard loader's workers end with each epoch) from
+    ``getrusage``.  A worker ending between two readings moves from the
+    first count to the second whole, so differences stay right.
     """
     total, me = time.process_time(), os.getpid()
+    if resource is not None:
+        ended = resource.getrusage(resource.RUSAGE_CHILDREN)
+        total += ended.ru_utime + ended.ru_stime
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not entry.isdigit():
@@ -270,9 +283,23 @@ def bench_data(args: argparse.Namespace, work_dir: str) -> dict:
     :mod:`distribuuuu.data.throughput`)."""
     decoders = [name for name in args.decoders.split(",") if name]
     sizes = (args.data_images, args.data_im_size, args.data_batch, args.workers)
-    sides = data_pipeline_sides(os.path.join(work_dir, "jpegs"), *sizes, decoders)
-    interleave(sides, 1)  # starts the persistent workers
-    return interleave(sides, args.repeats)
+    root = os.path.join(work_dir, "jpegs")
+    threads = torch.get_num_threads()
+    # This process only normalises the workers' batches (a run does it among
+    # the model's work): one thread, as in each worker, so that no idle
+    # thread pool spins beside the workers.
+    torch.set_num_threads(1)
+    try:
+        sides = data_pipeline_sides(root, *sizes, decoders)
+        interleave(sides, 1)  # starts the persistent workers
+        result = interleave(sides, args.repeats)
+        if args.data_max_side:
+            prepared = capped_shard_sides(root, *sizes[1:], args.data_max_side)
+            interleave(prepared, 1)
+            result["prepared"] = interleave(prepared, args.repeats)
+    finally:
+        torch.set_num_threads(threads)
+    return result
 
 
 def bench_startup(args: argparse.Namespace, work_dir: str) -> dict:
@@ -289,7 +316,8 @@ def bench_startup(args: argparse.Namespace, work_dir: str) -> dict:
 
 
 def _row(name: str, result: dict, unit: str = "img/s") -> str:
-    sides = [key for key in result if key not in ("ratio", "ratios", "cpu")]
+    skip = ("ratio", "ratios", "cpu", "prepared")
+    sides = [key for key in result if key not in skip]
     cells = [
         f"{key} {result[key]['median']:.1f} ({result[key]['min']:.1f}-"
         f"{result[key]['max']:.1f})"
@@ -313,6 +341,10 @@ def format_table(results: dict) -> str:
             lines.append(_row(name, results[name]))
             if "cpu" in results[name]:
                 lines.append(_row(f"{name} cpu", results[name]["cpu"], "img/cs"))
+    prepared = results.get("data_pipeline", {}).get("prepared")
+    if prepared:  # not the same pixels: a row of its own
+        lines.append(_row("data prepared", prepared))
+        lines.append(_row("data prepared cpu", prepared["cpu"], "img/cs"))
     if "startup" in results:
         startup = results["startup"]
         sides = {"dry run": startup["seconds"], "imports": startup["imports"]}

@@ -110,16 +110,18 @@ _C.DATA.SYNTHETIC_SIZE = [512, 128]
 # checked as they are loaded, never decoded up front, so start-up stays fast
 _C.DATA.SKIP_CORRUPT = False
 # How imagefolder and webdataset images are decoded: fused (tensor's pixels and
-# random numbers; 8-bit JPEGs are sized from their own header, not PIL's, and the
-# training crop, resize and flip are one step: about 1.1x tensor's images per
-# CPU-second) | tensor (torchvision.io to a uint8 tensor, 1.2-1.7x the images per
-# second of PIL on 2 CPU cores; crops, flips and augmentations draw the same
-# random numbers, the pixels agree up to rounding) | pil (PIL images, as
-# torchvision's ImageFolder; for other formats, or to reproduce runs made before
-# the tensor decoder) | gpu (imagefolder JPEGs decoded, cropped and resized on the
-# CUDA device with nvJPEG, batched; the workers only read the bytes and draw the
-# crops, the same draws as tensor; other formats are decoded in the worker; needs
-# CUDA, imagefolder, no AUTO_AUGMENT and no RANDOM_ERASING)
+# random numbers; 8-bit JPEGs are sized from their own header, not PIL's, the
+# training crop is drawn from that size and only its window is decoded, with
+# libjpeg-turbo 3 (the turbojpeg wheel's, or DISTRIBUUUU_TURBOJPEG; whole images
+# without one), and crop, resize and flip are one step: about 1.2x tensor's
+# images per CPU-second) | tensor (torchvision.io to a uint8 tensor, 1.2-1.7x
+# the images per second of PIL on 2 CPU cores; crops, flips and augmentations
+# draw the same random numbers, the pixels agree up to rounding) | pil (PIL
+# images, as torchvision's ImageFolder; for other formats, or to reproduce runs
+# made before the tensor decoder) | gpu (imagefolder JPEGs decoded, cropped and
+# resized on the CUDA device with nvJPEG, batched; the workers only read the
+# bytes and draw the crops, the same draws as tensor; other formats are decoded
+# in the worker; needs CUDA, imagefolder, no AUTO_AUGMENT and no RANDOM_ERASING)
 _C.DATA.DECODER = "fused"
 # Auto-augment policy of the training images, applied after crop and flip on the
 # uint8 image: none | randaugment (RANDAUG_N operations of magnitude RANDAUG_M)

@@ -14,9 +14,14 @@ from yacs.config import CfgNode
 
 from distribuuuu.config import resolve_data_name
 from distribuuuu.data import datasets as ds
-from distribuuuu.data import gpu_decode
+from distribuuuu.data import gpu_decode, turbo
 from distribuuuu.data.datasets import DataError, count_images, find_image_files
-from distribuuuu.data.jpeg import read_image_fused
+from distribuuuu.data.jpeg import (
+    JpegFile,
+    jpeg_bytes,
+    read_image_fused,
+    read_or_defer,
+)
 from distribuuuu.data.samplers import ExactShardSampler, ResumableTrainSampler
 from distribuuuu.data.shard_streams import EvalStream, ShardLoader, TrainStream
 from distribuuuu.data.shards import (
@@ -150,6 +155,21 @@ def image_reader(cfg: CfgNode) -> Callable[[str], torch.Tensor | Image.Image]:
     return readers.get(cfg.DATA.DECODER, ds.load_image)
 
 
+def describe_decoder(cfg: CfgNode) -> str:
+    """DATA.DECODER in words for the start-up report: for fused image files,
+    whether the training crops' windows or whole images are decoded."""
+    decoder = cfg.DATA.DECODER
+    if decoder != "fused" or resolve_data_name(cfg) not in _IMAGE_FILES:
+        return decoder
+    window = turbo.window_decoder()
+    if window is None:
+        return (
+            "fused (whole JPEGs: no libjpeg-turbo 3 for crop windows; "
+            f"pip install turbojpeg, or set {turbo.ENVIRONMENT})"
+        )
+    return f"fused (crop windows by {window.path})"
+
+
 def build_test_transform(
     cfg: CfgNode, normalize: ToNormalizedFloat | None = None
 ) -> v2.Compose:
@@ -192,7 +212,9 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
         reader = image_reader(cfg)
         if cfg.DATA.DECODER == "gpu":  # the workers serve bytes and crop draws
             transform = gpu_decode.DeferredTransform(transform)
-            reader = gpu_decode.read_encoded
+            reader = read_or_defer
+        elif train and cfg.DATA.DECODER == "fused":  # the crop window is decoded
+            reader = read_or_defer
         dataset = ds.CheckedImageFolder(path, transform, key, reader)
         _check_class_count(key, path, len(dataset.classes), cfg.MODEL.NUM_CLASSES)
         return ds.SkipUnreadable(dataset) if cfg.DATA.SKIP_CORRUPT else dataset
@@ -202,7 +224,7 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
         shards = open_shards(cfg[section].DATASET, key)
         _check_class_count(key, shards.paths[0], len(shards.classes),
                            cfg.MODEL.NUM_CLASSES)  # fmt: skip
-        decoder = ShardDecoder(shards, transform, _decode_bytes(cfg),
+        decoder = ShardDecoder(shards, transform, _decode_bytes(cfg, train),
                                cfg.DATA.SKIP_CORRUPT)  # fmt: skip
         return ShardedImages(shards, decoder)
     if name == "synthetic":
@@ -214,11 +236,21 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
     raise ValueError(f"unknown DATA.NAME {name!r}")
 
 
-def _decode_bytes(cfg: CfgNode) -> Callable[[bytes, str], torch.Tensor | Image.Image]:
+def _decode_bytes(
+    cfg: CfgNode, train: bool
+) -> Callable[[bytes, str], torch.Tensor | Image.Image | JpegFile]:
     """What decodes an encoded image (DATA.DECODER), as :func:`image_reader`
-    reads a file."""
+    reads a file; in DATA.DECODER fused training a plain JPEG is left for the
+    crop to decode its window, as :func:`~distribuuuu.data.jpeg.read_or_defer`
+    leaves a file."""
     as_tensor = cfg.DATA.DECODER != "pil"  # fused and tensor decode alike here
-    return lambda data, name: ds.decode_image_bytes(data, name, as_tensor)
+    defer = train and cfg.DATA.DECODER == "fused"
+
+    def decode(data: bytes, name: str) -> torch.Tensor | Image.Image | JpegFile:
+        image = jpeg_bytes(data, name) if defer else None
+        return ds.decode_image_bytes(data, name, as_tensor) if image is None else image
+
+    return decode
 
 
 def _image_folder(cfg: CfgNode, train: bool) -> tuple[str, str]:

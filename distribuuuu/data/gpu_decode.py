@@ -24,63 +24,15 @@ import torch
 from torch import nn
 from torchvision.transforms import v2
 
-from distribuuuu.data.datasets import DataError, decode_image_file, max_image_pixels
-from distribuuuu.data.jpeg import START_OF_IMAGE, JpegHeader, jpeg_header
-from distribuuuu.data.transforms import ToNormalizedFloat
+from distribuuuu.data.datasets import DataError
+from distribuuuu.data.jpeg import JpegFile
+from distribuuuu.data.transforms import ToNormalizedFloat, shape_only
 
 logger = logging.getLogger(__name__)
 
-# A JPEG file larger than this many bytes per pixel of the pixel limit is
-# refused before it is read whole (raw 8-bit RGB is 3 bytes per pixel).
-_BYTES_PER_PIXEL = 4
 # Pixels of full-size images decoded in one call: the device memory they hold
 # at once (3 bytes a pixel: about 200 MB), whatever the batch size.
 DECODE_PIXELS = 2**26
-
-
-@dataclass(frozen=True)
-class EncodedJpeg:
-    """A JPEG file's bytes (a 1-D uint8 tensor) and its header, as read."""
-
-    path: str
-    data: torch.Tensor
-    header: JpegHeader
-
-
-def read_encoded(path: str) -> EncodedJpeg | torch.Tensor:
-    """The image file at ``path`` as JPEG bytes for the device decoder, or,
-    for a file it does not take, decoded here (:func:`decode_image_file`).
-
-    The pixel limit of :func:`max_image_pixels` holds from the header; a
-    JPEG is read with at most 4 bytes per pixel of that limit.  A file whose
-    header cannot be parsed goes to :func:`decode_image_file`, which names it
-    in a DataError when it is not an image.
-    """
-    limit = max_image_pixels()
-    most = None if limit is None else _BYTES_PER_PIXEL * limit
-    with open(path, "rb") as f:
-        if f.read(2) != START_OF_IMAGE:
-            return decode_image_file(path)  # not a JPEG: read it once, there
-        data = START_OF_IMAGE + (f.read() if most is None else f.read(most - 1))
-    header = jpeg_header(data)
-    if header is None or not header.plain_8bit:
-        return decode_image_file(path)
-    if most is not None and len(data) > most:
-        raise DataError(f"cannot read image {path}: more than {most} bytes")
-    if limit is not None and header.width * header.height > limit:
-        raise DataError(
-            f"cannot read image {path}: {header.width} x {header.height} pixels, "
-            f"more than the limit of {limit} pixels for one image (a "
-            "decompression bomb?)"
-        )
-    encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return EncodedJpeg(path, encoded, header)
-
-
-def _shape_only(height: int, width: int) -> torch.Tensor:
-    """A 3 x height x width tensor without memory, for the size queries of a
-    transform's parameter draws."""
-    return torch.empty((), dtype=torch.uint8).expand(3, height, width)
 
 
 class DeviceGeometry:
@@ -115,7 +67,7 @@ class DeviceGeometry:
         CPU pipeline draws them; the whole image and no flip in evaluation."""
         if not self.train:
             return (0, 0, height, width), False
-        params = self.crop.make_params([_shape_only(height, width)])
+        params = self.crop.make_params([shape_only(height, width)])
         box = (params["top"], params["left"], params["height"], params["width"])
         # RandomHorizontalFlip draws once and leaves the image when rand >= p.
         flip = self.flip is not None and bool(torch.rand(1) < self.flip.p)
@@ -156,13 +108,18 @@ class DeferredTransform:
         self.pipeline = pipeline
         self.geometry = DeviceGeometry(pipeline)
 
-    def __call__(self, image: EncodedJpeg | torch.Tensor) -> EncodedSample:
+    def __call__(self, image: JpegFile | torch.Tensor) -> EncodedSample:
         if isinstance(image, torch.Tensor):
             return EncodedSample(self.geometry, self.pipeline(image), ready=True)
         height, width = image.header.height, image.header.width
         box, flip = self.geometry.draw(height, width)
         return EncodedSample(
-            self.geometry, image.data, image.path, box, flip, height * width
+            self.geometry,
+            torch.frombuffer(image.data, dtype=torch.uint8),
+            image.name,
+            box,
+            flip,
+            height * width,
         )
 
 

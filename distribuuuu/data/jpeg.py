@@ -11,6 +11,10 @@ JPEGs, 12-bit or lossless JPEGs, a frame header it cannot find, an image over
 the pixel limit, a file the decoder refuses) goes through
 :func:`~distribuuuu.data.datasets.decode_image_file`, so the errors,
 ``DATA.SKIP_CORRUPT`` and the pixel limit are those of the ``tensor`` decoder.
+
+For training, :func:`read_or_defer` leaves such a JPEG undecoded
+(:class:`JpegFile`): the crop is drawn from the header's size, and only its
+window is decoded (:mod:`distribuuuu.data.turbo`), with the same pixels.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torchvision.transforms.v2 import functional as F
 
 from distribuuuu.data import datasets as ds
+from distribuuuu.data import turbo
 
 try:  # deprecated in torchvision 0.29, like the decoder of datasets.py
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -102,7 +108,61 @@ def jpeg_header(data: bytes) -> JpegHeader | None:
     return None
 
 
-def _fast_path(header: JpegHeader | None) -> bool:
+# A JPEG file larger than this many bytes per pixel of the pixel limit is not
+# read whole here (raw 8-bit RGB is 3 bytes per pixel): the tensor decoder's
+# path, which reads the header first, takes it.
+_BYTES_PER_PIXEL = 4
+
+
+def pack_channels(image: torch.Tensor) -> torch.Tensor:
+    """``image`` (C x H x W) as a view of a packed H x W x C buffer: the layout
+    that torch's antialiased uint8 resize reads fastest on the CPU (93 against
+    133 us for a crop viewed in a larger buffer, and 252 for a C x H x W
+    tensor, resizing to 224 px here); the same pixels."""
+    return image.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+
+
+@dataclass(frozen=True)
+class JpegFile:
+    """A plain 8-bit JPEG read but not decoded: its bytes and frame header.
+
+    ``name`` (the file, or a sample of a shard) is what errors name.  It is
+    decoded whole (:meth:`decode`) or only in the crop window a training
+    transform draws from its size (:meth:`window`).
+    """
+
+    name: str
+    data: bytearray
+    header: JpegHeader
+
+    def decode(self) -> torch.Tensor:
+        """The whole image: an RGB uint8 tensor (3 x H x W), a view of the
+        decoder's H x W x 3 buffer, the layout the antialiased resize after it
+        reads without a copy."""
+        if decode_jpeg is not None:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    encoded = torch.frombuffer(self.data, dtype=torch.uint8)
+                    return decode_jpeg(encoded, mode=ImageReadMode.RGB)
+            except (RuntimeError, ValueError):
+                pass  # damaged: PIL decides, as for the tensor decoder
+        return ds.decode_image_bytes(bytes(self.data), self.name, as_tensor=True)
+
+    def window(self, top: int, left: int, height: int, width: int) -> torch.Tensor:
+        """The ``height`` x ``width`` window at (``top``, ``left``), inside the
+        image: the pixels of :meth:`decode` there, decoding only that part
+        where libjpeg-turbo's window decoding is available
+        (:mod:`distribuuuu.data.turbo`)."""
+        decoder = turbo.window_decoder()
+        if decoder is not None:
+            pixels = decoder.decode(self.data, top, left, height, width)
+            if pixels is not None:
+                return pixels
+        return pack_channels(F.crop_image(self.decode(), top, left, height, width))
+
+
+def _plain(header: JpegHeader | None) -> bool:
     """True for a plain 8-bit JPEG within the pixel limit (see
     :attr:`JpegHeader.plain_8bit`)."""
     if header is None or not header.plain_8bit:
@@ -111,28 +171,51 @@ def _fast_path(header: JpegHeader | None) -> bool:
     return limit is None or header.width * header.height <= limit
 
 
+def jpeg_bytes(data: bytes | bytearray, name: str) -> JpegFile | None:
+    """``data`` as a :class:`JpegFile` named ``name`` if it is a plain 8-bit
+    JPEG within the pixel limit; None for anything else."""
+    header = jpeg_header(data)
+    if not _plain(header):
+        return None
+    return JpegFile(name, data if isinstance(data, bytearray) else bytearray(data),
+                    header)  # fmt: skip
+
+
+def read_jpeg(path: str) -> JpegFile | None:
+    """The file at ``path`` as a :class:`JpegFile` if it is a plain 8-bit JPEG
+    within the pixel limit, read in one piece into the buffer the decoders
+    take; None for any other file and for one that cannot be read (the tensor
+    decoder's path names it), without reading more than 4 bytes per pixel of
+    the limit."""
+    limit = ds.max_image_pixels()
+    try:
+        with open(path, "rb") as f:
+            if f.read(2) != START_OF_IMAGE:
+                return None
+            size = os.fstat(f.fileno()).st_size
+            if limit is not None and size > _BYTES_PER_PIXEL * limit:
+                return None
+            data = bytearray(size)
+            data[:2] = START_OF_IMAGE
+            del data[2 + f.readinto(memoryview(data)[2:]) :]
+    except OSError:
+        return None
+    return jpeg_bytes(data, path)
+
+
+def read_or_defer(path: str) -> JpegFile | torch.Tensor:
+    """The image file at ``path`` as a :class:`JpegFile` to decode later (in
+    the crop window the transform draws), or decoded now by
+    :func:`~distribuuuu.data.datasets.decode_image_file` when it is not a
+    plain 8-bit JPEG: the reader of DATA.DECODER fused training and of
+    DATA.DECODER gpu."""
+    image = read_jpeg(path)
+    return ds.decode_image_file(path) if image is None else image
+
+
 def read_image_fused(path: str) -> torch.Tensor:
     """Read the image file at ``path`` as an RGB uint8 tensor (3 x H x W):
     the pixels, limit and errors of :func:`~distribuuuu.data.datasets.\
-decode_image_file`, faster for 8-bit JPEGs (see the module doc).
-
-    The tensor is a view of the decoder's height x width x 3 buffer, the
-    layout the antialiased resize after it reads without a copy.
-    """
-    if decode_jpeg is None:
-        return ds.decode_image_file(path)
-    try:
-        with open(path, "rb") as f:  # into the buffer the decoder reads: one copy
-            data = bytearray(os.fstat(f.fileno()).st_size)
-            del data[f.readinto(data) :]
-    except OSError:
-        return ds.decode_image_file(path)  # names the file as it always does
-    if not _fast_path(jpeg_header(data)):
-        return ds.decode_image_file(path)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            encoded = torch.frombuffer(data, dtype=torch.uint8)
-            return decode_jpeg(encoded, mode=ImageReadMode.RGB)
-    except (RuntimeError, ValueError):
-        return ds.decode_image_file(path)  # damaged: PIL decides, as for tensor
+decode_image_file`, faster for 8-bit JPEGs (see the module doc)."""
+    image = read_jpeg(path)
+    return ds.decode_image_file(path) if image is None else image.decode()

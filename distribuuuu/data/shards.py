@@ -284,11 +284,13 @@ class ShardDecoder:
                 f"{where}: label {int(label)}, but {CLASSES_FILE} lists "
                 f"{len(self.shards.classes)} classes"
             )
-        try:
-            image = self.read(members[images[0]], f"{path}:{name}.{images[0]}")
+        try:  # a JPEG may be decoded in the transform (DATA.DECODER fused)
+            image = self.transform(
+                self.read(members[images[0]], f"{path}:{name}.{images[0]}")
+            )
         except DataError as error:
             raise UnreadableImageError(str(error)) from error
-        return self.transform(image), int(label)
+        return image, int(label)
 
     def readable(
         self, raws: Iterator[RawSample], seed: Callable | None = None

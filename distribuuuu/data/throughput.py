@@ -68,11 +68,19 @@ def reference_loader(root: str, im_size: int, batch: int, workers: int):
     )
 
 
-def our_loader(root: str, im_size: int, batch: int, workers: int, decoder: str = ""):
-    """Our training loader of the folder ``root``/train, as a run builds it on
-    the CPU (DATA.DECODER ``decoder``, or the default), and the normaliser of
-    its batches."""
-    opts = ["DATA.NAME", "imagefolder", "TRAIN.DATASET", root, "TEST.DATASET", root]
+def our_loader(
+    root: str, im_size: int, batch: int, workers: int, decoder: str = "",
+    shards: str = "",
+):  # fmt: skip
+    """Our training loader of the folder ``root``/train (or of the WebDataset
+    ``shards`` pattern), as a run builds it on the CPU (DATA.DECODER
+    ``decoder``, or the default), and the normaliser of its batches."""
+    if shards:
+        opts = ["DATA.NAME", "webdataset", "TRAIN.DATASET", shards]
+        opts += ["TEST.DATASET", shards]
+    else:
+        opts = ["DATA.NAME", "imagefolder", "TRAIN.DATASET", root]
+        opts += ["TEST.DATASET", root]
     opts += ["DATA.DECODER", decoder] if decoder else []
     opts += ["TRAIN.IM_SIZE", str(im_size), "TEST.IM_SIZE", str(im_size)]
     opts += ["TRAIN.WORKERS", str(workers), "MODEL.NUM_CLASSES", "2"]
@@ -109,3 +117,34 @@ def _our_epoch(loader, normalize) -> Callable[[], int]:
         return sum(len(normalize(batch)) for batch, _ in loader)
 
     return run
+
+
+def capped_shard_sides(
+    root: str, im_size: int, batch: int, workers: int, max_side: int
+) -> dict[str, Callable[[], int]]:
+    """Prepared data: the folder ``root``/train of :func:`data_pipeline_sides`
+    written as shards with ``tools/make_shards.py --max-side max_side``
+    (shorter sides capped, re-encoded at quality 90; FFCV stores ImageNet
+    so), read by our loader; then ``"torchvision"`` on the original folder."""
+    from distribuuuu.data.shard_writing import (
+        ShardLimits,
+        folder_source,
+        pattern_of,
+        write_index,
+        write_split,
+    )
+
+    classes, samples = folder_source(os.path.join(root, "train"))
+    out = os.path.join(root, f"shards-max{max_side}")
+    os.makedirs(out, exist_ok=True)
+    per_shard = -(-len(samples) // (2 * max(1, workers)))  # a shard per worker
+    limits = ShardLimits(samples=per_shard, max_side=max_side, quality=90)
+    entries = write_split(samples, out, "train", limits, seed=0)
+    write_index(out, classes, entries)
+    pattern = pattern_of(out, "train", len(entries))
+    loading = (im_size, batch, workers)
+    name = f"shards max-side {max_side}"
+    sides = {name: _our_epoch(*our_loader(root, *loading, shards=pattern))}
+    reference = reference_loader(os.path.join(root, "train"), *loading)
+    sides["torchvision"] = lambda: sum(len(images) for images, _ in reference)
+    return sides

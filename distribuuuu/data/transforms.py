@@ -6,6 +6,8 @@ import torch
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
+from distribuuuu.data.jpeg import JpegFile, pack_channels
+
 
 def auto_augment(
     name: str, policy: str = "imagenet", num_ops: int = 2, magnitude: int = 9
@@ -68,15 +70,23 @@ class ToNormalizedFloat(torch.nn.Module):
         return images.sub_(self.shift).mul_(self.scale)
 
 
+def shape_only(height: int, width: int) -> torch.Tensor:
+    """A 3 x height x width tensor without memory, for the size queries of a
+    transform's parameter draws."""
+    return torch.empty((), dtype=torch.uint8).expand(3, height, width)
+
+
 class ResizedCropFlip(torch.nn.Module):
     """``v2.RandomResizedCrop(size)`` then ``v2.RandomHorizontalFlip(flip)``
-    of a uint8 tensor in one step (``DATA.DECODER fused``).
+    of a uint8 tensor, or of a :class:`~distribuuuu.data.jpeg.JpegFile` not
+    yet decoded, in one step (``DATA.DECODER fused``).
 
     The same random numbers in the same order (the crop is drawn by the v2
     transform's own ``make_params``, the flip by one ``torch.rand(1)`` when
     ``flip`` > 0) and the same kernels, so the same pixels; without the two
-    transforms' per-call dispatch, about a tenth of the work per image on
-    ImageNet-sized JPEGs.
+    transforms' per-call dispatch, and with the crop packed for the resize
+    (:func:`pack_channels`).  A JPEG's crop is drawn from the size in its
+    header and only that window is decoded (:meth:`JpegFile.window`).
     """
 
     def __init__(self, size: int, interpolation: v2.InterpolationMode, flip: float):
@@ -86,12 +96,16 @@ class ResizedCropFlip(torch.nn.Module):
         )
         self.flip = flip
 
-    def forward(self, image: torch.Tensor) -> torch.Tensor:
-        box = self.crop.make_params([image])
-        mode = self.crop.interpolation
-        image = F.resized_crop_image(
-            image, **box, size=self.crop.size, interpolation=mode, antialias=True
-        )
+    def forward(self, image: torch.Tensor | JpegFile) -> torch.Tensor:
+        if isinstance(image, JpegFile):
+            shape = shape_only(image.header.height, image.header.width)
+            box = self.crop.make_params([shape])
+            window = image.window(**box)
+        else:
+            box = self.crop.make_params([image])
+            window = pack_channels(F.crop_image(image, **box))
+        mode, size = self.crop.interpolation, self.crop.size
+        image = F.resize_image(window, size, interpolation=mode, antialias=True)
         if self.flip > 0 and torch.rand(1) < self.flip:
             image = F.horizontal_flip_image(image)
         return image
