@@ -62,6 +62,9 @@ _IMCU_WIDTH = {0: 8, 1: 16, 2: 16, 3: 8}
 # rows need none); 2 holds for any 2:1 upsampling, at 1-2% of a crop's work.
 _MARGIN = 2
 
+# The largest decoding buffer kept for the next image (a 2364 x 2364 window).
+_REUSED_BYTES = 2**24
+
 
 class _Region(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("x", "y", "w", "h")]
@@ -122,6 +125,17 @@ class WindowDecoder:
             self._local.handle = handle
         return handle
 
+    def _buffer(self, size: int) -> torch.Tensor:
+        """A decoding buffer of ``size`` bytes: this thread's, reused, since the
+        window is copied out of it (no allocation per image), up to 16 MiB;
+        a new one above, so that one huge image leaves no huge buffer."""
+        if size > _REUSED_BYTES:
+            return torch.empty(size, dtype=torch.uint8)
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.numel() < size:
+            buffer = self._local.buffer = torch.empty(size, dtype=torch.uint8)
+        return buffer[:size]
+
     def _drop_handle(self) -> None:
         """Destroy this thread's decompressor after a failure: libjpeg-turbo
         3.0's refuses every later file once a file was refused (tested)."""
@@ -162,7 +176,7 @@ class WindowDecoder:
         y0, y1 = max(0, top - _MARGIN), min(rows, top + height + _MARGIN)
         if lib.tj3SetCroppingRegion(handle, _Region(x0, y0, x1 - x0, y1 - y0)) != 0:
             return None
-        out = torch.empty((y1 - y0, x1 - x0, 3), dtype=torch.uint8)
+        out = self._buffer((y1 - y0) * (x1 - x0) * 3).view(y1 - y0, x1 - x0, 3)
         pitch = 3 * (x1 - x0)
         if lib.tj3Decompress8(handle, source, len(data), out.data_ptr(), pitch,
                               _PIXEL_RGB) != 0:  # fmt: skip
