@@ -190,12 +190,16 @@ def test_the_deepspeed_launcher_starts_it(tmp_path):
     --local_rank and sets LOCAL_SIZE) is detected, with a CPU thread each."""
     out = str(tmp_path)
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
-    launcher += ["--master_port", str(free_port())]
+    port = free_port()
+    launcher += ["--master_port", str(port)]
     result = run_command([*launcher, TRAIN_NET, *LENET, *DEEPSPEED, "OUT_DIR", out])
     assert_ok(result)
     assert "launcher deepspeed" in result.stdout
     assert "1 CPU thread(s) per process" in result.stdout
     assert read_metrics(out, "val")[-1]["samples"] == 1000
+    # Its shared-memory all-reduce buffers (one per rank) are not left behind.
+    left = [name for name in os.listdir("/dev/shm") if f"_{port}_" in name]
+    assert not left, left
 
 
 class _Marker:

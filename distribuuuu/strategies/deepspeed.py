@@ -89,6 +89,26 @@ def join_group(device: torch.device) -> None:
     torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
+def release_shm_buffers() -> None:
+    """Unlink this rank's shared-memory all-reduce buffer of DeepSpeed's CPU
+    communication op once every rank has mapped its peers' buffers.
+
+    DeepSpeed creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<master
+    address>_<master port>_<rank>`` (66 MB) in each process when all ranks
+    are local and ``LOCAL_SIZE`` is set (its launcher sets it) and never
+    unlinks it: every run left them in memory until a reboot.  Unlinked after
+    a barrier, they live on as mappings until the processes end, crashed or
+    not.  Call it on every rank, after ``deepspeed.init_distributed``.
+    """
+    if du.get_world_size() > 1:
+        torch.distributed.barrier()  # every rank has opened every buffer
+    address = os.environ.get("MASTER_ADDR", "")
+    port = os.environ.get("MASTER_PORT", "")
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join("/dev/shm", name + str(du.get_rank())))
+
+
 class DeepSpeedStrategy(Strategy):
     """DeepSpeed's engine with ZeRO; our optimizer, schedule and checkpoints."""
 
@@ -127,6 +147,8 @@ class DeepSpeedStrategy(Strategy):
         deepspeed.init_distributed(
             dist_backend=torch.distributed.get_backend(), dist_init_required=False
         )
+        if self.device.type == "cpu" and hasattr(os, "getuid"):
+            release_shm_buffers()
         if self.cfg.MODEL.SYNCBN and du.is_distributed():
             model = convert_syncbn(model, self.device)
         model = model.to(self.device)
