@@ -113,6 +113,30 @@ def test_sharded_strategies_reach_the_parameters_of_ddp(
         torch.testing.assert_close(actual[name], value, msg=name)
 
 
+def _shard_models_of_different_seeds(rank: int, world: int) -> dict:
+    """Each rank builds the model from its own seed, as training runs do
+    (seed + rank), then FSDP shards it; the whole model gathered on rank 0."""
+    torch.manual_seed(rank)
+    model = build_model("resnet8", 10)
+    first = copy.deepcopy(model.state_dict())
+    spread = strategy_for("fsdp")
+    return {
+        "first": first,
+        "sharded": spread.model_state_dict(spread.prepare_model(model)),
+    }
+
+
+@pytest.mark.slow
+def test_fsdp_starts_from_rank_0s_model(tmp_path):
+    results = run_on_ranks(2, _shard_models_of_different_seeds, (), str(tmp_path))
+    first, sharded = results[0]["first"], results[0]["sharded"]
+    assert sharded.keys() == first.keys()
+    for key, value in first.items():
+        assert torch.equal(sharded[key], value), key
+    weight = next(key for key in first if key.endswith("weight"))
+    assert not torch.equal(results[1]["first"][weight], first[weight])  # 2 seeds
+
+
 # A small ResNet on a few synthetic images.
 SMALL = [
     "MODEL.ARCH", "resnet8", "DATA.NAME", "synthetic", "DATA.SYNTHETIC_SIZE",

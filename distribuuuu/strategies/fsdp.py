@@ -42,6 +42,7 @@ from distribuuuu.models import find_blocks
 from distribuuuu.state import sharded_entries
 from distribuuuu.strategies.base import (
     Strategy,
+    broadcast_model,
     keyed_by_name,
     parameter_names,
     rekey_optimizer_state,
@@ -141,6 +142,9 @@ class FSDPStrategy(Strategy):
         model = model.to(self.device)
         if not du.is_distributed():
             return model
+        # fully_shard keeps each rank's own slice of its own model: rank 0's
+        # first, so that the run starts where DDP and one process start.
+        broadcast_model(model)
         offload = self.cfg.DIST.FSDP_CPU_OFFLOAD
         return shard_fully(model, self.device, offload, self.amp_dtype)
 
