@@ -39,6 +39,7 @@ import importlib.util
 import logging
 import os
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -70,20 +71,21 @@ class _Region(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("x", "y", "w", "h")]
 
 
-def _candidates() -> list[str]:
-    """Paths of the libraries to try, first to last (see the module doc)."""
+def _candidates() -> Iterator[str]:
+    """Paths of the libraries to try, first to last (see the module doc); the
+    system's is looked up (``ldconfig``) only when the others fail."""
     chosen = os.environ.get(ENVIRONMENT, "")
-    if chosen == "0":
-        return []
     if chosen:
-        return [chosen]
-    paths = []
+        if chosen != "0":
+            yield chosen
+        return
     spec = importlib.util.find_spec("turbojpeg")  # found, not imported
     if spec is not None and spec.origin:
-        site = os.path.dirname(spec.origin)
-        paths += sorted(glob.glob(os.path.join(site, "turbojpeg.libs", "*turbojpeg*")))
+        libs = os.path.join(os.path.dirname(spec.origin), "turbojpeg.libs")
+        yield from sorted(glob.glob(os.path.join(libs, "*turbojpeg*")))
     system = ctypes.util.find_library("turbojpeg")
-    return paths + ([system] if system else [])
+    if system:
+        yield system
 
 
 def _load(path: str) -> ctypes.CDLL | None:
