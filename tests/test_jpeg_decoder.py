@@ -99,9 +99,11 @@ def test_fused_crops_are_the_tensor_decoders_bit_for_bit(folder, monkeypatch):
     fused_val = build_dataset(_cfg(folder, "fused"), train=False)
     crops = []
     for epoch in range(3):
-        for index in range(len(fused.dataset)):
-            seed = sample_seed(7, epoch, index)
-            image, label = fused[(index, seed)]
+        # An epoch's samples all read first, as a batch holds them: none may
+        # share pixels with a later one.
+        seeds = [sample_seed(7, epoch, i) for i in range(len(fused.dataset))]
+        samples = [fused[(index, seed)] for index, seed in enumerate(seeds)]
+        for index, (seed, (image, label)) in enumerate(zip(seeds, samples)):
             expected, expected_label = reference[(index, seed)]
             assert image.shape == (3, 64, 64) and image.dtype == torch.uint8
             assert torch.equal(image, expected) and label == expected_label
@@ -239,6 +241,13 @@ def test_crop_windows_are_the_whole_decodes_pixels():
             )  # fmt: skip
             assert torch.equal(image.window(top, left, h, w), expected)
         assert decoder.decode(bytearray(data), 0, 0, height + 1, width) is None
+    # Each window owns its pixels: a later decode leaves an earlier one alone
+    # (a crop of the whole image comes out of the resize unchanged).
+    first_data, second_data = (_encoded(*kind) for kind in WINDOW_JPEGS[4:6])
+    first = decoder.decode(bytearray(first_data), 0, 0, 90, 120)
+    kept = first.clone()
+    decoder.decode(bytearray(second_data), 0, 0, 17, 33)
+    assert torch.equal(first, kept)
 
 
 def test_whole_images_are_decoded_without_a_window_library(

@@ -184,7 +184,11 @@ class WindowDecoder:
                               _PIXEL_RGB) != 0:  # fmt: skip
             return None
         window = out[top - y0 : top - y0 + height, left - x0 : left - x0 + width]
-        return window.contiguous().permute(2, 0, 1)  # packed: see pack_channels
+        # Copied out of the reused buffer, always (contiguous() would return
+        # the buffer itself for a window that fills it), packed for the resize
+        # (see pack_channels).
+        packed = torch.empty((height, width, 3), dtype=torch.uint8)
+        return packed.copy_(window).permute(2, 0, 1)
 
 
 def _self_check(decoder: WindowDecoder) -> bool:
