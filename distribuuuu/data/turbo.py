@@ -91,20 +91,20 @@ def _candidates() -> Iterator[str]:
 def _load(path: str) -> ctypes.CDLL | None:
     """The library at ``path`` with the TurboJPEG 3 functions typed; None if it
     cannot be loaded or is older than libjpeg-turbo 3.0."""
+    handle, pointer, size = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t
+    number = ctypes.c_int
     try:
         lib = ctypes.CDLL(path)
-        lib.tj3Init.restype = ctypes.c_void_p
-    except (OSError, AttributeError):
+        lib.tj3Init.restype = handle
+        lib.tj3Init.argtypes = [number]
+        lib.tj3Destroy.argtypes = [handle]
+        lib.tj3Get.argtypes = [handle, number]
+        lib.tj3Set.argtypes = [handle, number, number]
+        lib.tj3DecompressHeader.argtypes = [handle, pointer, size]
+        lib.tj3SetCroppingRegion.argtypes = [handle, _Region]
+        lib.tj3Decompress8.argtypes = [handle, pointer, size, pointer, number, number]
+    except (OSError, AttributeError):  # not a library, or no TurboJPEG 3 API
         return None
-    handle, pointer, size = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t
-    lib.tj3Init.argtypes = [ctypes.c_int]
-    lib.tj3Destroy.argtypes = [handle]
-    lib.tj3Get.argtypes = [handle, ctypes.c_int]
-    lib.tj3Set.argtypes = [handle, ctypes.c_int, ctypes.c_int]
-    lib.tj3DecompressHeader.argtypes = [handle, pointer, size]
-    lib.tj3SetCroppingRegion.argtypes = [handle, _Region]
-    lib.tj3Decompress8.argtypes = [handle, pointer, size, pointer, ctypes.c_int,
-                                   ctypes.c_int]  # fmt: skip
     return lib
 
 
