@@ -15,7 +15,10 @@ Measurements, printed as a table and written as JSON (``--out``):
   with the classic PIL transforms, same workers and batch, on ImageNet-sized
   JPEGs that the tool writes first; ``ours`` is the default DATA.DECODER, and
   each of ``--decoders`` is measured in the same run, each with its ratio to
-  torchvision's;
+  torchvision's; this process runs on one torch thread for it; then, as a
+  row of its own (prepared data, not the same pixels), our loader on those
+  JPEGs written as shards with ``--max-side`` (``--data-max-side``) beside
+  torchvision's on the original folder;
 * eval: img/s of ``evaluation.evaluate`` beside a minimal no-grad loop;
 * start-up: seconds of ``train_net.py --dry-run`` (build, a step, an eval batch)
   beside ``python -c "import torch, torchvision"``, and the difference;
