@@ -260,6 +260,9 @@ def test_whole_images_are_decoded_without_a_window_library(
     image = jpeg_bytes(data, "whole.jpg")
     expected = image.decode()[:, 40:240, 30:330]
     decoder = _window_decoder()
+    fused, tensor = _cfg(folder, "fused"), _cfg(folder, "tensor")
+    assert describe_decoder(fused) == f"fused (crop windows by {decoder.path})"
+    assert describe_decoder(tensor) == "tensor"
     monkeypatch.setenv(turbo.ENVIRONMENT, decoder.path)
     assert turbo.find_decoder().path == decoder.path
     monkeypatch.setenv(turbo.ENVIRONMENT, "0")
@@ -273,7 +276,7 @@ def test_whole_images_are_decoded_without_a_window_library(
     monkeypatch.setattr(turbo, "_decoder", None)
     monkeypatch.setattr(turbo, "_searched", True)
     assert torch.equal(image.window(40, 30, 200, 300), expected)
-    described = describe_decoder(_cfg(folder, "fused"))
+    described = describe_decoder(fused)
     assert described.startswith("fused (whole JPEGs") and turbo.ENVIRONMENT in described
 
 
