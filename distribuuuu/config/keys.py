@@ -110,43 +110,63 @@ MAX_INIT_TIMEOUT = 7 * 24 * 3600
 _CFG_DEST = re.compile(r"[\w+-][\w.+-]{0,250}\.ya?ml")
 
 # Checks of single values: key -> (test, what is allowed).
+
+
+def _at_least(low: float, note: str = "") -> tuple:
+    """Values >= ``low``."""
+    return (lambda v: v >= low, f"must be >= {low}{note}")
+
+
+def _within(bounds: str, note: str = "") -> tuple:
+    """Values in the interval ``bounds``, written as in the message:
+    ``"[0, 1)"`` (a bracket includes its end, a parenthesis leaves it out)."""
+    low, high = (float(end) for end in bounds[1:-1].split(","))
+    closed_low, closed_high = bounds[0] == "[", bounds[-1] == "]"
+
+    def test(v) -> bool:
+        above = v >= low if closed_low else v > low
+        return above and (v <= high if closed_high else v < high)
+
+    return (test, f"must be in {bounds}{note}")
+
+
 RANGES = {
-    "MODEL.NUM_CLASSES": (lambda v: v >= 1, "must be >= 1"),
+    "MODEL.NUM_CLASSES": _at_least(1),
     "DATA.SYNTHETIC_SIZE": (
         lambda v: len(v) == 2 and min(v) >= 1,
         "must be [train_images, val_images], both >= 1",
     ),
-    "TRAIN.BATCH_SIZE": (lambda v: v >= 1, "must be >= 1"),
-    "TRAIN.ACCUM_STEPS": (lambda v: v >= 1, "must be >= 1"),
-    "TRAIN.IM_SIZE": (lambda v: v >= 1, "must be >= 1"),
-    "TRAIN.WORKERS": (lambda v: v >= 0, "must be >= 0"),
-    "TRAIN.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
-    "TRAIN.TOPK": (lambda v: v >= 1, "must be >= 1"),
-    "TRAIN.PROFILE_STEPS": (lambda v: v >= 0, "must be >= 0 steps (0 = off)"),
-    "TRAIN.DATA_BOUND_SHARE": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
-    "TRAIN.SINGLE_PROCESS_IMG_PER_S": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "TRAIN.LABEL_SMOOTHING": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "TRAIN.MIXUP_ALPHA": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "TRAIN.CUTMIX_ALPHA": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "TRAIN.MIX_PROB": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "TRAIN.MIX_SWITCH_PROB": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "TRAIN.PRECISE_BN": (lambda v: v >= 0, "must be >= 0 batches (0 = off)"),
-    "MODEL.EMA_DECAY": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "MODEL.EMA_EVERY": (lambda v: v >= 1, "must be >= 1"),
-    "DATA.RANDAUG_N": (lambda v: v >= 1, "must be >= 1"),
-    "DATA.RANDAUG_M": (lambda v: 0 <= v <= 30, "must be in [0, 30]"),
-    "DATA.RANDOM_ERASING": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
-    "DATA.REPEATED_AUG": (lambda v: v >= 1, "must be >= 1 (1 = off)"),
-    "DATA.SHUFFLE_BUFFER": (lambda v: v >= 1, "must be >= 1 (1 = shard order)"),
-    "TEST.BATCH_SIZE": (lambda v: v >= 1, "must be >= 1"),
-    "TEST.IM_SIZE": (lambda v: v >= 1, "must be >= 1"),
-    "TEST.PRINT_FREQ": (lambda v: v >= 1, "must be >= 1"),
-    "OPTIM.MAX_EPOCH": (lambda v: v >= 1, "must be >= 1"),
+    "TRAIN.BATCH_SIZE": _at_least(1),
+    "TRAIN.ACCUM_STEPS": _at_least(1),
+    "TRAIN.IM_SIZE": _at_least(1),
+    "TRAIN.WORKERS": _at_least(0),
+    "TRAIN.PRINT_FREQ": _at_least(1),
+    "TRAIN.TOPK": _at_least(1),
+    "TRAIN.PROFILE_STEPS": _at_least(0, " steps (0 = off)"),
+    "TRAIN.DATA_BOUND_SHARE": _within("[0, 1]", " (0 = off)"),
+    "TRAIN.SINGLE_PROCESS_IMG_PER_S": _at_least(0, " (0 = off)"),
+    "TRAIN.LABEL_SMOOTHING": _within("[0, 1)"),
+    "TRAIN.MIXUP_ALPHA": _at_least(0, " (0 = off)"),
+    "TRAIN.CUTMIX_ALPHA": _at_least(0, " (0 = off)"),
+    "TRAIN.MIX_PROB": _within("[0, 1]"),
+    "TRAIN.MIX_SWITCH_PROB": _within("[0, 1]"),
+    "TRAIN.PRECISE_BN": _at_least(0, " batches (0 = off)"),
+    "MODEL.EMA_DECAY": _within("[0, 1)"),
+    "MODEL.EMA_EVERY": _at_least(1),
+    "DATA.RANDAUG_N": _at_least(1),
+    "DATA.RANDAUG_M": _within("[0, 30]"),
+    "DATA.RANDOM_ERASING": _within("[0, 1]", " (0 = off)"),
+    "DATA.REPEATED_AUG": _at_least(1, " (1 = off)"),
+    "DATA.SHUFFLE_BUFFER": _at_least(1, " (1 = shard order)"),
+    "TEST.BATCH_SIZE": _at_least(1),
+    "TEST.IM_SIZE": _at_least(1),
+    "TEST.PRINT_FREQ": _at_least(1),
+    "OPTIM.MAX_EPOCH": _at_least(1),
     "OPTIM.BASE_LR": (lambda v: v > 0, "must be > 0"),
-    "OPTIM.LR_MULT": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    "OPTIM.LR_GAMMA": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    "OPTIM.ONECYCLE_PCT_START": (lambda v: 0 < v < 1, "must be in (0, 1)"),
-    "OPTIM.ONECYCLE_DIV_FACTOR": (lambda v: v >= 1, "must be >= 1"),
+    "OPTIM.LR_MULT": _within("(0, 1]"),
+    "OPTIM.LR_GAMMA": _within("(0, 1]"),
+    "OPTIM.ONECYCLE_PCT_START": _within("(0, 1)"),
+    "OPTIM.ONECYCLE_DIV_FACTOR": _at_least(1),
     "OPTIM.BETAS": (
         lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
         "must be [beta1, beta2], both in [0, 1)",
@@ -157,34 +177,34 @@ RANGES = {
     "MODEL.DROP_PATH": (lambda v: v == -1 or 0 <= v < 1, "must be in [0, 1), or -1"),
     "MODEL.BN_MOMENTUM": (lambda v: v == -1 or 0 <= v <= 1, "must be in [0, 1], or -1"),
     "MODEL.BN_EPS": (lambda v: v == -1 or v > 0, "must be > 0, or -1"),
-    "TEST.CROP_SIZE": (lambda v: v >= 0, "must be >= 0 (0 = TRAIN.IM_SIZE)"),
+    "TEST.CROP_SIZE": _at_least(0, " (0 = TRAIN.IM_SIZE)"),
     "TEST.CROP_PCT": (lambda v: 0 <= v <= 1, "must be in (0, 1], or 0 (off)"),
-    "OPTIM.RMSPROP_ALPHA": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "OPTIM.LAYER_DECAY": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)"),
+    "OPTIM.RMSPROP_ALPHA": _within("[0, 1)"),
+    "OPTIM.LAYER_DECAY": _within("(0, 1]", " (1 = off)"),
     "OPTIM.LARS_ETA": (lambda v: v > 0, "must be > 0"),
-    "OPTIM.REFERENCE_BATCH": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "LOG.CLOSE_TIMEOUT": (lambda v: v >= 0, "must be >= 0 seconds"),
-    "OPTIM.MOMENTUM": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "OPTIM.DAMPENING": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "OPTIM.WARMUP_FACTOR": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    "OPTIM.WARMUP_EPOCHS": (lambda v: v >= 0, "must be >= 0"),
-    "OPTIM.WEIGHT_DECAY": (lambda v: v >= 0, "must be >= 0"),
-    "OPTIM.CLIP_GRAD_NORM": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "OPTIM.REFERENCE_BATCH": _at_least(0, " (0 = off)"),
+    "LOG.CLOSE_TIMEOUT": _at_least(0, " seconds"),
+    "OPTIM.MOMENTUM": _within("[0, 1)"),
+    "OPTIM.DAMPENING": _within("[0, 1]"),
+    "OPTIM.WARMUP_FACTOR": _within("(0, 1]"),
+    "OPTIM.WARMUP_EPOCHS": _at_least(0),
+    "OPTIM.WEIGHT_DECAY": _at_least(0),
+    "OPTIM.CLIP_GRAD_NORM": _at_least(0, " (0 = off)"),
     "DIST.INIT_TIMEOUT": (
         lambda v: 0 < v <= MAX_INIT_TIMEOUT,
         f"must be in (0, {MAX_INIT_TIMEOUT}] seconds (7 days)",
     ),
-    "DIST.TENSOR_PARALLEL": (lambda v: v >= 1, "must be >= 1 (1 = off)"),
-    "DIST.STOP_CHECK_STEPS": (lambda v: v >= 1, "must be >= 1"),
-    "DIST.PIPELINE.STAGES": (lambda v: v >= 2, "must be >= 2"),
-    "DIST.PIPELINE.MICROBATCHES": (lambda v: v >= 0, "must be >= 0 (0 = 2 x STAGES)"),
-    "DIST.PIPELINE.VIRTUAL_STAGES": (lambda v: v >= 1, "must be >= 1"),
-    "CHECKPOINT.PERIOD": (lambda v: v >= 1, "must be >= 1"),
-    "CHECKPOINT.KEEP": (lambda v: v >= 0, "must be >= 0 (0 keeps all)"),
-    "CHECKPOINT.KEEP_BEST": (lambda v: v >= 0, "must be >= 0"),
+    "DIST.TENSOR_PARALLEL": _at_least(1, " (1 = off)"),
+    "DIST.STOP_CHECK_STEPS": _at_least(1),
+    "DIST.PIPELINE.STAGES": _at_least(2),
+    "DIST.PIPELINE.MICROBATCHES": _at_least(0, " (0 = 2 x STAGES)"),
+    "DIST.PIPELINE.VIRTUAL_STAGES": _at_least(1),
+    "CHECKPOINT.PERIOD": _at_least(1),
+    "CHECKPOINT.KEEP": _at_least(0, " (0 keeps all)"),
+    "CHECKPOINT.KEEP_BEST": _at_least(0),
     "TRAIN.DISTILL.TAU": (lambda v: v > 0, "must be > 0"),
-    "TRAIN.DISTILL.ALPHA": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "CHECKPOINT.PERIOD_ITERS": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "TRAIN.DISTILL.ALPHA": _within("[0, 1]"),
+    "CHECKPOINT.PERIOD_ITERS": _at_least(0, " (0 = off)"),
     "OUT_DIR": (bool, "must name a directory"),
     "CFG_DEST": (
         lambda v: bool(_CFG_DEST.fullmatch(v)),
