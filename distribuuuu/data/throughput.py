@@ -102,9 +102,14 @@ def data_pipeline_sides(
     sides = {"ours": _our_epoch(*our_loader(root, *loading))}
     for decoder in decoders:
         sides[decoder] = _our_epoch(*our_loader(root, *loading, decoder))
-    reference = reference_loader(os.path.join(root, "train"), *loading)
-    sides["torchvision"] = lambda: sum(len(images) for images, _ in reference)
+    sides["torchvision"] = _reference_epoch(os.path.join(root, "train"), *loading)
     return sides
+
+
+def _reference_epoch(root: str, *loading: int) -> Callable[[], int]:
+    """One epoch of :func:`reference_loader` of the folder ``root``."""
+    reference = reference_loader(root, *loading)
+    return lambda: sum(len(images) for images, _ in reference)
 
 
 def _our_epoch(loader, normalize) -> Callable[[], int]:
@@ -145,6 +150,5 @@ def capped_shard_sides(
     loading = (im_size, batch, workers)
     name = f"shards max-side {max_side}"
     sides = {name: _our_epoch(*our_loader(root, *loading, shards=pattern))}
-    reference = reference_loader(os.path.join(root, "train"), *loading)
-    sides["torchvision"] = lambda: sum(len(images) for images, _ in reference)
+    sides["torchvision"] = _reference_epoch(os.path.join(root, "train"), *loading)
     return sides
