@@ -234,9 +234,13 @@ _lock = threading.Lock()
 
 
 def window_decoder() -> WindowDecoder | None:
-    """The process's window decoder (:func:`find_decoder`, on first use)."""
+    """The process's window decoder (:func:`find_decoder`, on first use; the
+    lock only then, not for every image)."""
     global _decoder, _searched
+    if _searched:
+        return _decoder
     with _lock:
         if not _searched:
-            _decoder, _searched = find_decoder(), True
+            _decoder = find_decoder()
+            _searched = True  # after _decoder: a reader without the lock
         return _decoder
