@@ -15,6 +15,7 @@ from yacs.config import CfgNode
 from distribuuuu.config import resolve_data_name
 from distribuuuu.data import datasets as ds
 from distribuuuu.data import gpu_decode, turbo
+from distribuuuu.data.batch_ring import RingLoader
 from distribuuuu.data.datasets import DataError, count_images, find_image_files
 from distribuuuu.data.jpeg import (
     JpegFile,
@@ -397,7 +398,8 @@ def build_train_loader(
     last incomplete batch of a rank is dropped, so that every optimizer step
     has the same size (BatchNorm also needs more than one sample). With
     ``DATA.REPEATED_AUG`` k > 1 an epoch holds each of its samples k times
-    (see :class:`ResumableTrainSampler`).
+    (see :class:`ResumableTrainSampler`). With workers, each worker collates
+    into a few shared-memory batches that it reuses (:class:`RingLoader`).
     """
     if isinstance(dataset, ShardedImages):
         stream = TrainStream(dataset, rank, world_size, seed, batch_size,
@@ -405,14 +407,16 @@ def build_train_loader(
         return ShardLoader(stream, _loader_kwargs(cfg, device))
     repeats = cfg.DATA.REPEATED_AUG
     sampler = ResumableTrainSampler(len(dataset), rank, world_size, seed, repeats)
-    return DataLoader(
+    kwargs = _loader_kwargs(cfg, device)
+    ring = kwargs["collate_fn"] is None and cfg.TRAIN.WORKERS > 0
+    return (RingLoader if ring else DataLoader)(
         SeededDataset(dataset),
         batch_size=batch_size,
         sampler=sampler,
         drop_last=True,
         # Its own generator: creating an iterator leaves the global RNG alone.
         generator=torch.Generator().manual_seed(seed),
-        **_loader_kwargs(cfg, device),
+        **kwargs,
     )
 
 
