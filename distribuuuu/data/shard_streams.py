@@ -23,8 +23,9 @@ import random
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
+from distribuuuu.data.batch_ring import RingLoader
 from distribuuuu.data.datasets import DataError
 from distribuuuu.data.samplers import sample_seed
 from distribuuuu.data.shards import (
@@ -38,14 +39,11 @@ from distribuuuu.data.shards import (
 logger = logging.getLogger(__name__)
 
 
-def _collate(samples: list[tuple[torch.Tensor, int]]):
-    images, labels = zip(*samples)
-    return torch.stack(images), torch.tensor(labels, dtype=torch.int64)
-
-
-def _batched(samples: Iterator, size: int) -> Iterator:
+def _batched(samples: Iterator, size: int) -> Iterator[list]:
+    """Lists of ``size`` samples (the last one shorter), which the loader's
+    ``collate_fn`` collates."""
     while batch := list(itertools.islice(samples, size)):
-        yield _collate(batch)
+        yield batch
 
 
 def _reader(workers: int) -> int:
@@ -170,7 +168,7 @@ class TrainStream(IterableDataset):
             )
             yield from shuffled(raws, self.buffer, rng)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[list]:
         # The loader takes batches from its workers in turn, from worker 0:
         # after ``done`` batches, worker w plays the part of the reader whose
         # turn it is, (w + done) mod workers, as in the uninterrupted run.
@@ -207,7 +205,7 @@ class EvalStream(IterableDataset):
     def __len__(self) -> int:
         return self.end - self.begin
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[list]:
         worker, batches = _reader(self.workers), self.batches()
         first = batches * worker // self.workers
         last = batches * (worker + 1) // self.workers
@@ -223,7 +221,8 @@ class ShardLoader:
     """Batches of a shard stream with the interface of our other loaders:
     ``len()`` in batches, ``sampler.set_epoch(epoch, start)`` (the stream),
     ``dataset`` (the samples, by position).  Each iteration starts a
-    DataLoader over the stream, whose workers copy its epoch."""
+    loader over the stream, whose workers copy its epoch and collate into
+    reused shared memory (:class:`RingLoader`)."""
 
     def __init__(self, stream: TrainStream | EvalStream, options: dict):
         self.sampler, self.dataset = stream, stream.images
@@ -235,4 +234,4 @@ class ShardLoader:
         return len(self.sampler) // self.sampler.batch_size
 
     def __iter__(self):
-        return iter(DataLoader(self.sampler, batch_size=None, **self.options))
+        return iter(RingLoader(self.sampler, batch_size=None, **self.options))
