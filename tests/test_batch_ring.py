@@ -10,7 +10,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from distribuuuu.config import load_cfg
-from distribuuuu.data import batch_ring, build_dataset, build_train_loader
+from distribuuuu.data import (
+    batch_ring,
+    build_dataset,
+    build_test_loader,
+    build_train_loader,
+)
 from distribuuuu.data.batch_ring import BatchRing, RingLoader
 from distribuuuu.data.datasets import SyntheticDataset
 
@@ -103,6 +108,23 @@ def test_workers_of_any_start_method_share_the_slots(context):
     for _ in range(2):
         got = [(images.clone(), labels) for images, labels in loader]
         assert len(got) == len(expected) == 6
+        for (images, labels), (want_images, want_labels) in zip(got, expected):
+            assert torch.equal(images, want_images)
+            assert torch.equal(labels, want_labels)
+    assert loader.new_segments == 0
+
+
+def test_the_evaluation_loader_gives_torchs_batches_short_last_one_too():
+    words = ["MODEL.DUMMY_INPUT", "True", "DATA.SYNTHETIC_SIZE", "[8, 11]"]
+    words += ["TEST.BATCH_SIZE", "4", "TRAIN.WORKERS", "2"]
+    cfg = load_cfg(None, words)
+    dataset = build_dataset(cfg, train=False)
+    loader = build_test_loader(cfg, dataset, 0, 1, torch.device("cpu"))
+    assert isinstance(loader, RingLoader)
+    expected = list(DataLoader(dataset, batch_size=4))
+    for _ in range(2):
+        got = [(images.clone(), labels) for images, labels in loader]
+        assert [len(labels) for _, labels in got] == [4, 4, 3]
         for (images, labels), (want_images, want_labels) in zip(got, expected):
             assert torch.equal(images, want_images)
             assert torch.equal(labels, want_labels)

@@ -398,8 +398,7 @@ def build_train_loader(
     last incomplete batch of a rank is dropped, so that every optimizer step
     has the same size (BatchNorm also needs more than one sample). With
     ``DATA.REPEATED_AUG`` k > 1 an epoch holds each of its samples k times
-    (see :class:`ResumableTrainSampler`). With workers, each worker collates
-    into a few shared-memory batches that it reuses (:class:`RingLoader`).
+    (see :class:`ResumableTrainSampler`).
     """
     if isinstance(dataset, ShardedImages):
         stream = TrainStream(dataset, rank, world_size, seed, batch_size,
@@ -407,16 +406,15 @@ def build_train_loader(
         return ShardLoader(stream, _loader_kwargs(cfg, device))
     repeats = cfg.DATA.REPEATED_AUG
     sampler = ResumableTrainSampler(len(dataset), rank, world_size, seed, repeats)
-    kwargs = _loader_kwargs(cfg, device)
-    ring = kwargs["collate_fn"] is None and cfg.TRAIN.WORKERS > 0
-    return (RingLoader if ring else DataLoader)(
+    return _loader(
+        cfg,
+        device,
         SeededDataset(dataset),
         batch_size=batch_size,
         sampler=sampler,
         drop_last=True,
         # Its own generator: creating an iterator leaves the global RNG alone.
         generator=torch.Generator().manual_seed(seed),
-        **kwargs,
     )
 
 
@@ -428,9 +426,18 @@ def build_test_loader(
         stream = EvalStream(dataset, rank, world_size, cfg.TEST.BATCH_SIZE,
                             cfg.TRAIN.WORKERS)  # fmt: skip
         return ShardLoader(stream, _loader_kwargs(cfg, device))
-    return DataLoader(
+    return _loader(
+        cfg,
+        device,
         dataset,
         batch_size=cfg.TEST.BATCH_SIZE,
         sampler=ExactShardSampler(len(dataset), rank, world_size),
-        **_loader_kwargs(cfg, device),
     )
+
+
+def _loader(cfg: CfgNode, device: torch.device, dataset: Dataset, **options):
+    """The DataLoader of ``dataset``: a :class:`RingLoader` when workers
+    collate images (all but DATA.DECODER gpu's JPEG bytes)."""
+    kwargs = {**_loader_kwargs(cfg, device), **options}
+    ring = kwargs["collate_fn"] is None and kwargs["num_workers"] > 0
+    return (RingLoader if ring else DataLoader)(dataset, **kwargs)
