@@ -126,15 +126,16 @@ def test_evaluation_reads_every_sample_once(digits, world, workers):
     assert loader.dataset[0][0].shape == (3, 28, 28)
 
 
-def _numbered(digits, rank: int, world: int, workers: int, batch: int):
-    """The training loader of a rank whose images are the sample numbers."""
+def _number(data: bytes, name: str) -> torch.Tensor:
+    return torch.tensor([int(name.rsplit(":", 1)[1].split(".")[0])])
+
+
+def _numbered(digits, rank: int, world: int, workers: int, batch: int, value=_number):
+    """The training loader of a rank whose images are the sample numbers (or
+    ``value(data, name)``)."""
     cfg = load_cfg(None, [*RECIPE, *shard_keys(digits)])
     shards = open_shards(digits["train"], "TRAIN.DATASET")
-
-    def number(data: bytes, name: str) -> torch.Tensor:
-        return torch.tensor([int(name.rsplit(":", 1)[1].split(".")[0])])
-
-    images = ShardedImages(shards, ShardDecoder(shards, lambda x: x, number, False))
+    images = ShardedImages(shards, ShardDecoder(shards, lambda x: x, value, False))
     cfg.defrost()
     cfg.TRAIN.WORKERS = workers
     return build_train_loader(cfg, images, rank, world, 7, CPU, batch)
@@ -161,6 +162,16 @@ def test_training_ranks_read_disjoint_shards_and_take_equal_steps(digits):
     assert epochs[0][0] != epochs[0][1]  # shards dealt anew each epoch
     # Each rank's readers read whole shards of their own: 125-sample blocks.
     assert {len(first[0]), len(first[1])} == {225}
+
+
+def test_the_loader_keeps_its_workers_from_epoch_to_epoch(digits):
+    def reader(data: bytes, name: str) -> torch.Tensor:
+        return torch.tensor([os.getpid()])
+
+    loader = _numbered(digits, 0, 1, 2, 50, reader)
+    pids = [set(sum(_epoch(loader, epoch), [])) for epoch in range(3)]
+    assert len(pids[0]) == 2 and os.getpid() not in pids[0]
+    assert pids[0] == pids[1] == pids[2]
 
 
 def test_mid_epoch_resume_takes_the_remaining_batches(digits):

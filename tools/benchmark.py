@@ -153,7 +153,7 @@ def cpu_seconds() -> float:
 
     The children are the data loader workers: those alive are read from
     ``/proc`` (Linux; elsewhere only this process counts), those ended and
-    reaped (the shard loader's workers end with each epoch) from
+    reaped (workers that do not persist end with each epoch) from
     ``getrusage``.  A worker ending between two readings moves from the
     first count to the second whole, so differences stay right.
     """

@@ -103,7 +103,9 @@ class TrainStream(IterableDataset):
         self.images, self.rank, self.world_size = images, rank, world_size
         self.seed, self.batch_size, self.buffer = seed, batch_size, buffer
         self.workers = max(1, workers)
-        self.epoch, self.start = 0, 0
+        # (epoch, start) in shared memory: the loader's persistent workers
+        # read the values set_epoch writes here when an iteration starts.
+        self._position = torch.zeros(2, dtype=torch.int64).share_memory_()
         self.batches = images.shards.total // (batch_size * world_size)
         shards = len(images.shards.paths)
         readers = world_size * self.workers
@@ -116,8 +118,16 @@ class TrainStream(IterableDataset):
             )
         self._logged: set[tuple[int, int]] = set()
 
+    @property
+    def epoch(self) -> int:
+        return int(self._position[0])
+
+    @property
+    def start(self) -> int:
+        return int(self._position[1])
+
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
+        self._position[0], self._position[1] = epoch, start
         if (epoch, start) not in self._logged:  # precise BN sets it again
             self._logged.add((epoch, start))
             self._log_plan()
@@ -220,13 +230,14 @@ class EvalStream(IterableDataset):
 class ShardLoader:
     """Batches of a shard stream with the interface of our other loaders:
     ``len()`` in batches, ``sampler.set_epoch(epoch, start)`` (the stream),
-    ``dataset`` (the samples, by position).  Each iteration starts a
-    loader over the stream, whose workers copy its epoch and collate into
-    reused shared memory (:class:`RingLoader`)."""
+    ``dataset`` (the samples, by position).  One loader over the stream,
+    whose persistent workers read the epoch from the stream's shared memory
+    at each iteration and collate into reused shared memory
+    (:class:`RingLoader`)."""
 
     def __init__(self, stream: TrainStream | EvalStream, options: dict):
         self.sampler, self.dataset = stream, stream.images
-        self.options = {**options, "persistent_workers": False}
+        self.loader = RingLoader(stream, batch_size=None, **options)
 
     def __len__(self) -> int:
         if isinstance(self.sampler, EvalStream):
@@ -234,4 +245,4 @@ class ShardLoader:
         return len(self.sampler) // self.sampler.batch_size
 
     def __iter__(self):
-        return iter(RingLoader(self.sampler, batch_size=None, **self.options))
+        return iter(self.loader)
