@@ -1,11 +1,11 @@
-"""Training batches in shared memory that the loader's workers reuse.
+"""Batches in shared memory that the loaders' workers reuse.
 
 torch's DataLoader collates every batch of a worker into a new shared-memory
 segment: the worker creates it and faults in (zeroes) each of its pages, the
 main process maps it again and faults its pages in, and both unmap it a batch
 later. For 32 images of 224 px that is 4.8 MB and about 2.8 ms of a worker's
-time each batch, an eighth of the whole pipeline's CPU time (measured with
-py-spy, see the README's performance table).
+time each batch, an eighth of its CPU time (py-spy; the README's
+Performance section has the numbers).
 
 :class:`BatchRing` is instead the ``collate_fn`` of a loader with workers:
 each worker keeps a few slots, one shared-memory segment each, and collates a

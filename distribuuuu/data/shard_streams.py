@@ -23,7 +23,7 @@ import random
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from distribuuuu.data.batch_ring import RingLoader
 from distribuuuu.data.datasets import DataError
@@ -232,12 +232,13 @@ class ShardLoader:
     ``len()`` in batches, ``sampler.set_epoch(epoch, start)`` (the stream),
     ``dataset`` (the samples, by position).  One loader over the stream,
     whose persistent workers read the epoch from the stream's shared memory
-    at each iteration and collate into reused shared memory
-    (:class:`RingLoader`)."""
+    at each iteration and collate (images into reused shared memory:
+    :class:`RingLoader`)."""
 
     def __init__(self, stream: TrainStream | EvalStream, options: dict):
         self.sampler, self.dataset = stream, stream.images
-        self.loader = RingLoader(stream, batch_size=None, **options)
+        loader = RingLoader if options["collate_fn"] is None else DataLoader
+        self.loader = loader(stream, batch_size=None, **options)
 
     def __len__(self) -> int:
         if isinstance(self.sampler, EvalStream):
