@@ -138,9 +138,9 @@ class WindowDecoder:
             buffer = self._local.buffer = torch.empty(size, dtype=torch.uint8)
         return buffer[:size]
 
-    def _drop_handle(self) -> None:
-        """Destroy this thread's decompressor after a failure: libjpeg-turbo
-        3.0's refuses every later file once a file was refused (tested)."""
+    def _refused(self) -> None:
+        """Destroy this thread's decompressor after the library refused a file
+        (libjpeg-turbo 3.0's refuses every later file then: tested); None."""
         self.lib.tj3Destroy(self._local.handle)
         self._local.handle = None
 
@@ -153,18 +153,10 @@ class WindowDecoder:
         file or warns (damaged data: the caller decodes it the slow way, which
         decides), for a subsampling not listed, or when the window is not
         inside the image."""
-        window = self._decode(data, top, left, height, width)
-        if window is None:
-            self._drop_handle()
-        return window
-
-    def _decode(
-        self, data: bytearray, top: int, left: int, height: int, width: int
-    ) -> torch.Tensor | None:
         lib, handle = self.lib, self._handle()
         source = ctypes.addressof(ctypes.c_char.from_buffer(data))  # no copy
         if lib.tj3DecompressHeader(handle, source, len(data)) != 0:
-            return None
+            return self._refused()
         subsampling = lib.tj3Get(handle, _PARAM_SUBSAMP)
         rows = lib.tj3Get(handle, _PARAM_HEIGHT)
         columns = lib.tj3Get(handle, _PARAM_WIDTH)
@@ -177,12 +169,12 @@ class WindowDecoder:
         x1 = min(columns, left + width + _MARGIN)
         y0, y1 = max(0, top - _MARGIN), min(rows, top + height + _MARGIN)
         if lib.tj3SetCroppingRegion(handle, _Region(x0, y0, x1 - x0, y1 - y0)) != 0:
-            return None
+            return self._refused()
         out = self._buffer((y1 - y0) * (x1 - x0) * 3).view(y1 - y0, x1 - x0, 3)
         pitch = 3 * (x1 - x0)
         if lib.tj3Decompress8(handle, source, len(data), out.data_ptr(), pitch,
                               _PIXEL_RGB) != 0:  # fmt: skip
-            return None
+            return self._refused()
         window = out[top - y0 : top - y0 + height, left - x0 : left - x0 + width]
         # Copied out of the reused buffer, always (contiguous() would return
         # the buffer itself for a window that fills it), packed for the resize
