@@ -4,9 +4,10 @@
 the launch (srun forgotten, CUDA asked for but absent, more processes than
 GPUs), the inputs the cfg names (data folders, MODEL.WEIGHTS, checkpoints
 already in OUT_DIR), the packages of LOG.TRACKERS, the batch against the
-training images, and OUT_DIR
-itself (created and proved writable).  An unusable input thus ends the run
-with exit code 2 and one line, before any file is written.
+training images, and OUT_DIR itself (not the root of the file system,
+created and proved writable, and, for training, locked by rank 0 for the
+run: :mod:`distribuuuu.run_lock`).  An unusable input thus ends the run with
+exit code 2 and one line, before any file is written.
 
 torch and the modules that import it are imported inside the checks that
 need them, so that a run refused early starts fast.
@@ -22,7 +23,10 @@ from typing import TYPE_CHECKING
 
 from yacs.config import CfgNode
 
+from distribuuuu import run_lock
+from distribuuuu.cli import is_rank_zero
 from distribuuuu.config import ConfigError
+from distribuuuu.job import is_launched
 
 if TYPE_CHECKING:  # torch only for the annotations: imported where it is used
     from torch import nn
@@ -217,15 +221,15 @@ def check_inputs(
 ) -> None:
     """Check what ``cfg`` names, before anything is written; raise ConfigError.
 
-    The data folders, MODEL.WEIGHTS (whose head must fit when ``eval_only``,
-    MODEL.FINETUNE or not), for training: the checkpoints already in OUT_DIR
-    (kept only by TRAIN.AUTO_RESUME) and the batch against the training images
-    of ``world_size`` processes (unless a checkpoint, whose batch wins, may be
-    resumed), then OUT_DIR (created, probed writable; removed again unless
-    ``keep_out_dir`` when this created it).
+    OUT_DIR not the root of the file system, the data folders, MODEL.WEIGHTS
+    (whose head must fit when ``eval_only``, MODEL.FINETUNE or not), then
+    OUT_DIR (created, probed writable; removed again unless ``keep_out_dir``
+    when this created it) and, for training, what
+    :func:`check_training_out_dir` checks with ``world_size`` processes.
     """
     from distribuuuu.data import DataError, check_data
 
+    check_out_dir_path(cfg.OUT_DIR)
     try:
         readers = None
         if cfg.DATA.NAME == "webdataset" and not eval_only:
@@ -244,24 +248,72 @@ def check_inputs(
     if distill.ARCH and not eval_only:
         check_weights(distill.WEIGHTS, distill.ARCH, cfg.MODEL.NUM_CLASSES,
                       key="TRAIN.DISTILL.WEIGHTS")  # fmt: skip
-    if not eval_only:
-        checkpoints, best = _checkpoints_in(cfg.OUT_DIR)
-        found = checkpoints + best
-        if found and not cfg.TRAIN.AUTO_RESUME and not dry_run:
-            raise ConfigError(
-                f"TRAIN.AUTO_RESUME False: OUT_DIR {cfg.OUT_DIR} already holds "
-                f"{len(found)} checkpoint files of a run ({found[0]}"
-                f"{', ...' * (len(found) > 1)}), which a new run would overwrite; use "
-                "a fresh OUT_DIR, or TRAIN.AUTO_RESUME True to continue that run"
-            )
-        if cfg.TRAIN.AUTO_RESUME:
-            check_resume(cfg.OUT_DIR)
-        if not (checkpoints and cfg.TRAIN.AUTO_RESUME):
-            from distribuuuu.strategies import strategy_class
+    if eval_only:
+        check_out_dir(cfg.OUT_DIR, keep_out_dir)
+    else:
+        check_training_out_dir(cfg, world_size, keep_out_dir, dry_run)
 
-            replicas = strategy_class(cfg).replicas(cfg, world_size)
-            check_batch_fits(cfg, replicas)
-    check_out_dir(cfg.OUT_DIR, keep_out_dir)
+
+def check_training_out_dir(
+    cfg: CfgNode, world_size: int, keep: bool = True, dry_run: bool = False
+) -> None:
+    """The batch against the training images (unless a checkpoint, whose
+    batch wins, may be resumed), OUT_DIR (see :func:`check_out_dir`), its lock
+    (taken by rank 0 for the run, not for ``dry_run``), then the checkpoints
+    of an earlier run in it; raise ConfigError."""
+    checkpoints, _ = _checkpoints_in(cfg.OUT_DIR)
+    if not (checkpoints and cfg.TRAIN.AUTO_RESUME):
+        from distribuuuu.strategies import strategy_class
+
+        replicas = strategy_class(cfg).replicas(cfg, world_size)
+        check_batch_fits(cfg, replicas)
+    created = _missing_dirs(cfg.OUT_DIR)
+    check_out_dir(cfg.OUT_DIR, keep)
+    # The lock before the checks that read the checkpoints in OUT_DIR: none
+    # of a live run is read (nor resumed from, later) by a second one.
+    lock = None if dry_run else claim_out_dir(cfg.OUT_DIR, world_size)
+    try:
+        check_previous_run(cfg.OUT_DIR, cfg.TRAIN.AUTO_RESUME, dry_run)
+    except BaseException:  # refused (or stopped): leave OUT_DIR as it was
+        run_lock.release_out_dir(lock)
+        _remove_dirs(created if keep else [])
+        raise
+    run_lock.record_holder(lock)
+
+
+def claim_out_dir(out_dir: str, world_size: int) -> run_lock.RunLock | None:
+    """On rank 0, take the lock of the existing ``out_dir`` for this run.
+
+    A refusal raises OutDirInUseError, except on rank 0 of a launched job
+    of ``world_size`` > 1 processes: there it waits for the process group, so
+    that every rank exits 2 (:func:`run_lock.agree_out_dir_free`).  None on the
+    other ranks and where the file system cannot lock.
+    """
+    if not is_rank_zero():
+        return None
+    try:
+        return run_lock.lock_out_dir(out_dir)
+    except run_lock.OutDirInUseError as error:
+        if world_size > 1 and is_launched():
+            run_lock.defer_refusal(error)
+            return None
+        raise
+
+
+def check_previous_run(out_dir: str, auto_resume: bool, dry_run: bool = False) -> None:
+    """Refuse the checkpoints of an earlier run in ``out_dir`` that a new one
+    would overwrite (TRAIN.AUTO_RESUME False) or that resuming would refuse."""
+    checkpoints, best = _checkpoints_in(out_dir)
+    found = checkpoints + best
+    if found and not auto_resume and not dry_run:
+        raise ConfigError(
+            f"TRAIN.AUTO_RESUME False: OUT_DIR {out_dir} already holds "
+            f"{len(found)} checkpoint files of a run ({found[0]}"
+            f"{', ...' * (len(found) > 1)}), which a new run would overwrite; use "
+            "a fresh OUT_DIR, or TRAIN.AUTO_RESUME True to continue that run"
+        )
+    if auto_resume:
+        check_resume(out_dir)
 
 
 def check_resume(out_dir: str) -> None:
@@ -276,6 +328,18 @@ def check_resume(out_dir: str) -> None:
         cp.find_resume_checkpoint(out_dir, warn=False)
     except cp.RefusedCheckpointError as error:
         raise ConfigError(f"OUT_DIR checkpoint {error}; remove it") from error
+
+
+def check_out_dir_path(out_dir: str) -> None:
+    """Refuse an OUT_DIR that is (or resolves to) the root of the file system."""
+    resolved = os.path.realpath(out_dir)
+    if os.path.dirname(resolved) == resolved:  # "/" (a drive's root elsewhere)
+        via = "" if out_dir == resolved else f", which resolves to {resolved},"
+        raise ConfigError(
+            f"OUT_DIR {out_dir}{via} is the root of the file system: a run writes "
+            "its config, logs and checkpoints there; give it a folder of its own, "
+            "e.g. OUT_DIR ./runs/first"
+        )
 
 
 def _missing_dirs(path: str) -> list[str]:

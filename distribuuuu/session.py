@@ -13,8 +13,10 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import distributed as du
+from distribuuuu.data.workers import start_worker_server
 from distribuuuu.logger import setup_logging
 from distribuuuu.precision import resolve_auto_precision
+from distribuuuu.run_lock import agree_out_dir_free
 from distribuuuu.strategies import strategy_class
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ def run_context(
 
     Without ``log_files`` nothing is written to OUT_DIR (console only).
     """
+    if cfg.TRAIN.WORKERS > 0:  # its imports overlap joining the group and building
+        start_worker_server()
     if cfg.CUDNN.DETERMINISTIC:
         # cuBLAS needs this before its first use to be deterministic.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -55,6 +59,8 @@ def run_context(
         cpu_collectives=host_collectives,
     )
     try:
+        # Before any log file: every rank exits 2 if rank 0 found OUT_DIR in use.
+        agree_out_dir_free()
         setup_logging(cfg.OUT_DIR if log_files else None, info.rank)
         if device.type == "cuda":
             set_cudnn_flags(cfg.CUDNN.BENCHMARK, cfg.CUDNN.DETERMINISTIC)

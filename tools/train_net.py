@@ -18,7 +18,7 @@ import sys
 
 from yacs.config import CfgNode
 
-from distribuuuu import cli, job, preflight
+from distribuuuu import cli, job, preflight, run_lock
 from distribuuuu.config import format_cfg, format_config_reference, load_cfg
 
 EXIT_CODES = """exit codes:
@@ -30,13 +30,21 @@ EXIT_CODES = """exit codes:
   2    unusable config or input, found before anything is written: the config
        file, a key or value, the data folders, MODEL.WEIGHTS or a checkpoint in
        OUT_DIR (missing, of another architecture, or refused: it holds pickled
-       code or points outside its folder), OUT_DIR (not writable, disk full,
-       holding another run with TRAIN.AUTO_RESUME False) or the launch (srun
+       code or points outside its folder), OUT_DIR (the root of the file
+       system, not writable, disk full, in use by a live run, holding another
+       run with TRAIN.AUTO_RESUME False) or the launch (srun
        forgotten, DEVICE cuda without CUDA, more processes on a node than
        visible GPUs)
   130  interrupted (Ctrl-C); 128+N: stopped by signal N (after saving a
        checkpoint, once training has started)
 every error ends with one line on stderr that starts with "error: "."""
+
+
+# Another run holds OUT_DIR's lock: found before the run in one process, or
+# told to every rank of a launched job once they joined the process group.
+OUT_DIR_IN_USE = cli.ErrorExit(
+    run_lock.OutDirInUseError, cli.EXIT_UNUSABLE_INPUT, cli.plain_message
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -146,7 +154,7 @@ def check_and_start(args: argparse.Namespace) -> int:
     code = cli.run_tool(
         lambda: checked.append(load_and_check(args)),
         args.debug,
-        cli.train_startup_rules(args.eval_only, args.dry_run),
+        (OUT_DIR_IN_USE, *cli.train_startup_rules(args.eval_only, args.dry_run)),
     )
     if code != cli.EXIT_OK:
         return code
@@ -156,11 +164,13 @@ def check_and_start(args: argparse.Namespace) -> int:
         return cli.EXIT_OK
     if args.num_procs > 1:  # the parent only waits: a signal ends it, as before
         cli.default_stop_signals()
-    return cli.run_tool(
-        lambda: run_checked_job(cfg, args),
-        args.debug,
-        cli.train_run_rules(args.num_procs, args.eval_only, args.dry_run),
-    )
+    rules = cli.train_run_rules(args.num_procs, args.eval_only, args.dry_run)
+    try:
+        return cli.run_tool(
+            lambda: run_checked_job(cfg, args), args.debug, (*rules, OUT_DIR_IN_USE)
+        )
+    finally:  # the run is over: OUT_DIR's lock (and its descriptor) goes
+        run_lock.release_out_dir_locks()
 
 
 def run_checked_job(cfg: CfgNode, args: argparse.Namespace) -> int:
