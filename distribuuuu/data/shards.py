@@ -38,6 +38,10 @@ IMAGE_SUFFIXES = tuple(ext.lstrip(".") for ext in IMG_EXTENSIONS)
 # largest index or class list read.
 MAX_SAMPLE_BYTES = 256 << 20
 MAX_LIST_BYTES = 64 << 20
+# The most digits of a label (``.cls``), leading zeros included, and of a
+# sample key read as a number.
+MAX_LABEL_DIGITS = 20
+MAX_KEY_DIGITS = 18
 
 # Installed with the webdataset extra, which DATA.NAME webdataset needs.
 NEEDS_WEBDATASET = (
@@ -54,7 +58,12 @@ def sample_number(key: str) -> int:
     (make_shards writes the sample's index in its source, so that a sample
     is augmented as ``DATA.NAME imagefolder`` augments that file), else a
     hash of it."""
-    return int(key) if key.isdigit() else zlib.crc32(key.encode()) + 2**40
+    # A short ASCII number only: int() refuses thousands of digits and "²",
+    # which isdigit() accepts, and a seed is below 2**64.
+    if key.isascii() and key.isdigit() and len(key) <= MAX_KEY_DIGITS:
+        return int(key)
+    # A name that is not UTF-8 is read with surrogates standing for its bytes.
+    return zlib.crc32(key.encode("utf-8", "surrogateescape")) + 2**40
 
 
 class UnreadableImageError(DataError):
@@ -121,19 +130,49 @@ def read_index(folder: str, key: str) -> tuple[dict[str, dict], tuple[str, ...]]
                 f"{INDEX_FILE} and {CLASSES_FILE}"
             )
     try:
-        shards = json.loads(_read_small(index_path))["shards"]
-        if not isinstance(shards, dict):
-            raise TypeError("'shards' is not a mapping")
-        for name, entry in shards.items():
-            for field in ("samples", "bytes"):
-                if not isinstance(entry[field], int) or entry[field] < 0:
-                    raise TypeError(f"{name}: {field} is not a count")
-        classes = _read_small(classes_path).decode("utf-8").splitlines()
-    except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError included
+        shards = _index_entries(json.loads(_read_small(index_path)))
+    except RecursionError as error:  # json nests by recursion
+        raise DataError(
+            f"{key}: unreadable index {index_path}: nested too deeply"
+        ) from error
+    except (ValueError, TypeError) as error:  # JSONDecodeError included
         raise DataError(f"{key}: unreadable index {index_path}: {error}") from error
+    return shards, _read_classes(classes_path, key)
+
+
+def _index_entries(index: object) -> dict[str, dict[str, int]]:
+    """The shard entries of a parsed index; a TypeError when it is not
+    ``{"shards": {name: {"samples": n, "bytes": b}}}``."""
+    if not isinstance(index, dict) or not isinstance(index.get("shards"), dict):
+        raise TypeError('not {"shards": {...}}')
+    for name, entry in index["shards"].items():
+        if not isinstance(entry, dict):
+            raise TypeError(f"{name}: not a mapping")
+        for field in ("samples", "bytes"):
+            count = entry.get(field)
+            # bool is an int to Python, never a count here
+            if type(count) is not int or count < 0:
+                raise TypeError(f"{name}: {field} is not a count")
+    return index["shards"]
+
+
+def _read_classes(path: str, key: str) -> tuple[str, ...]:
+    """The class names of ``classes.txt``, one a line; each named once."""
+    try:
+        classes = _read_small(path).decode("utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise DataError(f"{key}: {path} is not UTF-8 text: {error}") from error
     if not classes or not all(classes):
-        raise DataError(f"{key}: {classes_path} lists no classes or an empty name")
-    return shards, tuple(classes)
+        raise DataError(f"{key}: {path} lists no classes or an empty name")
+    counts = collections.Counter(classes)
+    repeated = next((name for name in classes if counts[name] > 1), None)
+    if repeated is not None:
+        # Labels index this list: a name twice makes two labels one class.
+        raise DataError(
+            f"{key}: {path} lists class {repeated!r} {counts[repeated]} times; "
+            "each class is named once"
+        )
+    return tuple(classes)
 
 
 def _check_tar_header(path: str, key: str) -> None:
@@ -260,6 +299,24 @@ def _counted(samples: Iterator, wanted: int, path: str, key: str, listed: int):
         )
 
 
+def parse_label(text: bytes, classes: int, where: str) -> int:
+    """The class number a ``.cls`` member holds: short ASCII decimal text
+    (blanks around it allowed) below ``classes``; a DataError names ``where``."""
+    label = text.strip()
+    # Checked before int(), which is slow on, or refuses, thousands of digits.
+    if not 0 < len(label) <= MAX_LABEL_DIGITS or not label.isdigit():
+        shown = label[:MAX_LABEL_DIGITS].decode("ascii", "replace")
+        raise DataError(
+            f"{where}: its .cls label {shown!r} ({len(label)} bytes) is not a "
+            f"class number (at most {MAX_LABEL_DIGITS} decimal digits)"
+        )
+    if int(label) >= classes:
+        raise DataError(
+            f"{where}: label {int(label)}, but {CLASSES_FILE} lists {classes} classes"
+        )
+    return int(label)
+
+
 class ShardDecoder:
     """A raw sample to ``(image, label)``: the image decoded (DATA.DECODER) and
     transformed; with ``skip_corrupt`` an unreadable image is reported once
@@ -274,23 +331,18 @@ class ShardDecoder:
     def __call__(self, raw: RawSample) -> tuple[torch.Tensor, int]:
         path, name, members = raw
         images = [suffix for suffix in members if suffix in IMAGE_SUFFIXES]
-        label = members.get("cls", b"").strip()
         where = f"{self.shards.key}: shard {path}: sample {name}"
-        if len(images) != 1 or not label.isdigit():
+        if len(images) != 1 or "cls" not in members:
             has = ", ".join(sorted(members)) or "no members"
             raise DataError(f"{where} needs one image and a .cls label; it has {has}")
-        if int(label) >= len(self.shards.classes):
-            raise DataError(
-                f"{where}: label {int(label)}, but {CLASSES_FILE} lists "
-                f"{len(self.shards.classes)} classes"
-            )
+        label = parse_label(members["cls"], len(self.shards.classes), where)
         try:  # a JPEG may be decoded in the transform (DATA.DECODER fused)
             image = self.transform(
                 self.read(members[images[0]], f"{path}:{name}.{images[0]}")
             )
         except DataError as error:
             raise UnreadableImageError(str(error)) from error
-        return image, int(label)
+        return image, label
 
     def readable(
         self, raws: Iterator[RawSample], seed: Callable | None = None
