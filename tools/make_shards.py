@@ -16,7 +16,9 @@ bytes).  ``--max-side S`` re-encodes as JPEG (``--quality``) the images whose
 shorter side exceeds S, resized to S; the others are copied byte for byte.
 The same input and options give the same files.  The patterns to train on
 are printed last.  Exit codes: 0 done; 1 any other failure; 2 unusable input
-(no such folder, no classes, OUT not empty).
+(no such folder, no classes, OUT not empty, a class name with a newline or
+another control character, a file that is not an image, a link out of SOURCE
+or its class folder).  A run that fails removes the shards it wrote.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from distribuuuu.data.shard_writing import (
     digits_source,
     folder_source,
     pattern_of,
+    remove_unfinished,
     write_index,
     write_split,
 )
@@ -115,7 +118,22 @@ def make_shards(args: argparse.Namespace) -> list[str]:
     class_lists = {tuple(classes) for classes, _ in sources.values()}
     if len(class_lists) > 1:
         raise DataError(f"{args.source}: the splits have different class folders")
+    created = not os.path.isdir(args.out)
     os.makedirs(args.out, exist_ok=True)
+    finished = False
+    try:
+        patterns = _write(sources, args, limits, list(class_lists.pop()))
+        finished = True
+    finally:  # a refused image mid-way, a full disk, Ctrl-C: no partial output
+        if not finished:
+            remove_unfinished(args.out, list(sources), created)
+    return patterns
+
+
+def _write(
+    sources: dict, args: argparse.Namespace, limits: ShardLimits, classes: list[str]
+) -> list[str]:
+    """Write the shards of every split, then the index; their patterns."""
     entries, patterns = {}, []
     for split, (_, samples) in sources.items():
         written = write_split(samples, args.out, split, limits, args.seed)
@@ -124,7 +142,7 @@ def make_shards(args: argparse.Namespace) -> list[str]:
         pattern = pattern_of(args.out, split, len(written))
         patterns.append(pattern)
         print(f"{split}: {count} samples in {len(written)} shards: {pattern}")
-    write_index(args.out, list(class_lists.pop()), entries)
+    write_index(args.out, classes, entries)
     return patterns
 
 

@@ -8,10 +8,14 @@ re-encoding by Pillow with fixed settings.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import random
+import re
+import stat
+import unicodedata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -34,6 +38,22 @@ from distribuuuu.data.shards import (
 # A source sample: a name (for messages), its label and what reads its bytes.
 SourceSample = tuple[str, int, Callable[[], tuple[bytes, str]]]
 
+# Unicode categories refused in class names: controls (newline, tab, ...),
+# line and paragraph separators (str.splitlines breaks at all of them), and
+# the surrogates that stand for bytes of a file name that are not UTF-8.
+_UNWRITABLE = frozenset(("Cc", "Cs", "Zl", "Zp"))
+# The first bytes of the image formats of torchvision's image file names (and
+# GIF, which PIL decodes under any name); WebP is checked apart (RIFF....WEBP).
+# A file damaged past them is copied: DATA.SKIP_CORRUPT decides, as in a folder.
+_SIGNATURES = {
+    "JPEG": (b"\xff\xd8\xff",),
+    "PNG": (b"\x89PNG",),
+    "GIF": (b"GIF87a", b"GIF89a"),
+    "BMP": (b"BM",),
+    "TIFF": (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"),
+    "PPM": (b"P1", b"P2", b"P3", b"P4", b"P5", b"P6"),
+}
+
 
 @dataclass(frozen=True)
 class ShardLimits:
@@ -47,21 +67,84 @@ class ShardLimits:
 
 def folder_source(root: str) -> tuple[list[str], list[SourceSample]]:
     """The classes and samples of an ImageFolder split ``root/<class>/<image>``
-    (the labels and order of ``DATA.NAME imagefolder``)."""
+    (the labels and order of ``DATA.NAME imagefolder``).
+
+    A DataError refuses a class name that ``classes.txt`` cannot hold, and an
+    image file that is not a regular file or lies outside ``root`` and its
+    class folder (a link out of them: a class folder may itself be a link).
+    """
     classes = find_image_classes(root, root)
+    check_class_names(classes, root)
     samples: list[SourceSample] = []
     for label, name in enumerate(classes):
-        for path in find_image_files(os.path.join(root, name), root):
+        folder = os.path.join(root, name)
+        inside = {os.path.realpath(root), os.path.realpath(folder)}
+        real_folders: dict[str, str] = {}
+        for path in find_image_files(folder, root):
+            _check_source_file(path, inside, real_folders, root)
             samples.append((path, label, _file_reader(path)))
     return classes, samples
 
 
+def check_class_names(classes: list[str], where: str) -> None:
+    """Refuse a class name that cannot be one line of UTF-8 in ``classes.txt``."""
+    for name in classes:
+        bad = next((c for c in name if unicodedata.category(c) in _UNWRITABLE), None)
+        if bad is not None:
+            raise DataError(
+                f"{where}: class folder {name!r} holds the character {bad!r}; "
+                f"{CLASSES_FILE} lists one class name a line, in UTF-8: rename "
+                "the folder"
+            )
+
+
+def _check_source_file(
+    path: str, inside: set[str], real_folders: dict[str, str], root: str
+) -> None:
+    """Refuse ``path`` unless it is a regular file within a folder of ``inside``
+    (real paths); ``real_folders`` caches the real path of each folder."""
+    try:
+        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+        mode = os.stat(path).st_mode
+    except OSError as error:
+        raise DataError(f"{path}: cannot read it ({error.strerror})") from error
+    folder, name = os.path.split(path)
+    if is_link:
+        real = os.path.realpath(path)
+    else:  # where its folder really is: one realpath a folder, not a file
+        if folder not in real_folders:
+            real_folders[folder] = os.path.realpath(folder)
+        real = os.path.join(real_folders[folder], name)
+    if not any(os.path.commonpath([real, top]) == top for top in inside):
+        raise DataError(
+            f"{path}: leads through a link to {real}, outside {root} and its "
+            "class folder; make_shards copies only the files of SOURCE (copy the "
+            "file in, or link its whole class folder)"
+        )
+    if not stat.S_ISREG(mode):
+        raise DataError(f"{path}: not a regular file (a FIFO, device or socket?)")
+
+
 def _file_reader(path: str) -> Callable[[], tuple[bytes, str]]:
     def read() -> tuple[bytes, str]:
-        with open(path, "rb") as f:
+        # Non-blocking: a FIFO put in the file's place never blocks the open.
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise DataError(f"{path}: not a regular file (a FIFO, device?)")
             return f.read(), os.path.splitext(path)[1].lstrip(".").lower()
 
     return read
+
+
+def image_format(data: bytes) -> str | None:
+    """The format whose signature starts ``data`` (JPEG, PNG, ...); None if
+    it is none of the formats the trainer decodes from an image file name."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return next(
+        (name for name, starts in _SIGNATURES.items() if data.startswith(starts)),
+        None,
+    )
 
 
 def digits_source(train: bool) -> tuple[list[str], list[SourceSample]]:
@@ -122,6 +205,11 @@ def _shard_groups(
         data, suffix = read()
         if suffix not in IMAGE_SUFFIXES:
             raise DataError(f"{name}: .{suffix} is not an image file name")
+        if image_format(data) is None:
+            raise DataError(
+                f"{name}: not an image: it starts with no JPEG, PNG, GIF, BMP, "
+                "TIFF, PPM or WebP signature"
+            )
         data, suffix = capped(data, suffix, name, limits)
         members = {suffix: data, "cls": str(label).encode()}
         more = _tar_bytes(members)
@@ -175,3 +263,21 @@ def write_index(out: str, classes: list[str], entries: dict) -> None:
         json.dump({"shards": entries}, f, indent=1, sort_keys=True)
         f.write("\n")
     os.replace(temporary, os.path.join(out, INDEX_FILE))
+
+
+def remove_unfinished(out: str, splits: list[str], created: bool) -> None:
+    """Remove what an unfinished run wrote to ``out`` (new or empty when it
+    began): the shards of ``splits``, the class list and the index; ``out``
+    itself when the run ``created`` it."""
+    shard = re.compile(r"(.+)-[0-9]{6}\.tar")
+    listed = {CLASSES_FILE, INDEX_FILE, INDEX_FILE + ".tmp"}
+    with os.scandir(out) as entries:
+        for entry in entries:
+            match = shard.fullmatch(entry.name)
+            ours = entry.name in listed or (match and match.group(1) in splits)
+            if ours and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):  # the first error is reported
+                    os.unlink(entry.path)
+    if created:
+        with contextlib.suppress(OSError):  # not empty: someone else's files
+            os.rmdir(out)
