@@ -271,8 +271,10 @@ def check_training_out_dir(
     check_out_dir(cfg.OUT_DIR, keep)
     # The lock before the checks that read the checkpoints in OUT_DIR: none
     # of a live run is read (nor resumed from, later) by a second one.
-    lock = None if dry_run else claim_out_dir(cfg.OUT_DIR, world_size)
+    lock = None
     try:
+        if not dry_run:
+            lock = claim_out_dir(cfg.OUT_DIR, world_size)
         check_previous_run(cfg.OUT_DIR, cfg.TRAIN.AUTO_RESUME, dry_run)
     except BaseException:  # refused (or stopped): leave OUT_DIR as it was
         run_lock.release_out_dir(lock)
