@@ -277,13 +277,14 @@ def train_run_rules(
 
 def checkpoint_tool_rules() -> tuple[ErrorExit, ...]:
     """export, predict, inspect_ckpt: unusable weights, config or image exit 2."""
+    from distribuuuu.checkpoint import OutputPathError
     from distribuuuu.config import ConfigError
     from distribuuuu.data import DataError
     from distribuuuu.export import MismatchError
     from distribuuuu.inference import CheckpointError
     from distribuuuu.onnx_model import OnnxError
 
-    unusable = (CheckpointError, ConfigError, DataError, OnnxError)
+    unusable = (CheckpointError, ConfigError, DataError, OnnxError, OutputPathError)
     return (  # not run under a launcher: every process reports
         ErrorExit(unusable, EXIT_UNUSABLE_INPUT, plain_message, every_rank=True),
         ErrorExit(MismatchError, EXIT_FAILED, plain_message, every_rank=True),

@@ -8,9 +8,12 @@
 ``--best`` picks by the scores CHECKPOINT.KEEP_BEST records (top-1, or the
 validation loss with ``--loss``).  The result is a plain weights file that
 ``--eval-only``, ``MODEL.WEIGHTS``, inspect, export and predict read; see
-distribuuuu/averaging.py for how BatchNorm statistics are treated.  Exit codes:
+distribuuuu/averaging.py for how BatchNorm statistics are treated.  Each
+checkpoint counts once: a file given twice (or through a link) is refused, and
+so is an --out that is a checkpoint, a link or no regular file.  Exit codes:
 0 done; 1 any other failure; 2 a file this does not read (missing, not a
-checkpoint, holding pickled code) or checkpoints of different models.
+checkpoint, holding pickled code), checkpoints of different models, or paths
+refused.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from distribuuuu import checkpoint as cp
 from distribuuuu import cli
 from distribuuuu.averaging import average_checkpoints, select_checkpoints
-from distribuuuu.checkpoint import save_weights
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         paths = args.paths or select_checkpoints(
             args.run, args.last, args.best, args.loss
         )
-        save_weights(args.out, average_checkpoints(paths))
+        cp.check_tool_paths(
+            outputs=[("--out", args.out)], inputs=[("checkpoint", p) for p in paths]
+        )
+        cp.save_weights(args.out, average_checkpoints(paths))
         print(f"averaged {len(paths)} checkpoints into {args.out}: " + ", ".join(paths))
 
     return cli.run_tool(average_and_write, args.debug, cli.checkpoint_tool_rules())

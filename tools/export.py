@@ -12,9 +12,11 @@ its outputs must match the eager model within 1e-5.  The ONNX model (torch's
 dynamo-based exporter, dynamic batch size; class names and input pipeline in
 its metadata) is run by ONNX Runtime on the CPU on 64 validation images of
 the run's data set in batches of 32, 31 and 1; its logits must match within
---atol (1e-4).  Exit codes: 0 done; 1 an export failed or its outputs differ;
-2 unusable weights or config, an operator ONNX export does not support, or
-the onnx packages missing; each error is one ``error:`` line on stderr.
+--atol (1e-4).  An output must be a new path or a regular file, not a link,
+a device (/dev/null), an input or another output.  Exit codes: 0 done; 1 an
+export failed or its outputs differ; 2 unusable weights or config, an output
+path refused, an operator ONNX export does not support, or the onnx packages
+missing; each error is one ``error:`` line on stderr.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from distribuuuu import checkpoint as cp
 from distribuuuu import cli, onnx_model
 from distribuuuu.export import export_weights
 
@@ -74,6 +77,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def export_and_report() -> None:
         """Write and check the artefacts, then say what was written."""
+        cp.check_tool_paths(  # before the minutes an export may take
+            outputs=[
+                ("--out", args.out),
+                ("--torchscript", args.torchscript),
+                ("--torch-export", args.torch_export),
+                ("--onnx", args.onnx),
+            ],
+            inputs=[("--weights", args.weights), ("--cfg", args.cfg_file)],
+        )
         written = export_weights(
             args.weights,
             args.out,

@@ -10,6 +10,8 @@ import os
 import pickle
 import re
 import shutil
+import stat
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,12 +62,58 @@ def _disk_full(error: BaseException, directory: str) -> bool:
     return usage.f_bavail * usage.f_frsize < (1 << 20)
 
 
-def atomic_write(path: str, write) -> None:
+def raise_if_disk_full(error: BaseException, directory: str, path: str) -> None:
+    """Raise DiskFullError naming ``path`` when ``error``, raised while writing
+    it into ``directory``, came from a full disk."""
+    if _disk_full(error, directory):
+        raise DiskFullError(f"no space left on device while writing {path}") from error
+
+
+class OutputPathError(ValueError):
+    """An output path that writing would destroy: a device, FIFO, folder or
+    link, or a file that is also an input or another output."""
+
+
+# What an existing path is, when it is not a regular file.
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def check_output_path(path: str) -> None:
+    """Refuse to write ``path`` where it is a symbolic link or exists as
+    anything but a regular file: the rename of a new file would replace the
+    link or the device (``/dev/null`` as root) instead of writing into it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return  # a new file (or an impossible path, which open() reports)
+    if stat.S_ISLNK(mode):
+        raise OutputPathError(
+            f"{path} is a symbolic link: refusing to replace it; write to the "
+            "file it points to, or to a new path"
+        )
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "no regular file")
+        raise OutputPathError(
+            f"{path} is {kind}, not a regular file: refusing to replace it; "
+            "write to a file"
+        )
+
+
+def atomic_write(path: str, write: Callable[[Any], Any]) -> None:
     """Call ``write(file)`` on a temporary file, fsync it and rename it to ``path``.
 
     On any failure the temporary file is removed and ``path`` keeps what it
-    held; a full disk raises DiskFullError naming ``path``.
+    held; a full disk raises DiskFullError naming ``path``.  A ``path`` that
+    is a link or not a regular file raises OutputPathError before anything
+    is written.
     """
+    check_output_path(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
@@ -76,15 +124,61 @@ def atomic_write(path: str, write) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as error:
-        if _disk_full(error, directory):
-            raise DiskFullError(
-                f"no space left on device while writing {path}"
-            ) from error
+        raise_if_disk_full(error, directory, path)
         raise
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
     fsync_dir(directory)
+
+
+def _identity(path: str) -> tuple:
+    """What two paths share when they name one file: its device and inode
+    (through links), or for a path not there yet, its resolved name."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return ("new", os.path.realpath(path))
+    return ("file", info.st_dev, info.st_ino)
+
+
+def check_tool_paths(
+    outputs: Sequence[tuple[str, str | None]],
+    inputs: Sequence[tuple[str, str | None]] = (),
+) -> None:
+    """Refuse a tool's paths before it does any work: an output that
+    :func:`check_output_path` refuses, two outputs on one file, an output that
+    is an input, and an input given twice.
+
+    Args:
+        outputs, inputs: ``(argument, path)`` pairs, the argument as the error
+            names it (``--out``); a None path is skipped.  Hard links and
+            links to one file count as the same file.
+    """
+    named = [(arg, path, True) for arg, path in outputs if path]
+    named += [(arg, path, False) for arg, path in inputs if path]
+    for _, path, is_output in named:
+        if is_output:
+            check_output_path(path)
+    seen: dict[tuple, tuple[str, str, bool]] = {}
+    for entry in named:
+        same = _identity(entry[1])
+        if same in seen:
+            _refuse_same(seen[same], entry)
+        seen[same] = entry
+
+
+def _refuse_same(first: tuple[str, str, bool], second: tuple[str, str, bool]):
+    """Raise OutputPathError: ``first`` and ``second`` name one file."""
+    if first[2] and second[2]:
+        why = "give each output a path of its own"
+    elif first[2] or second[2]:
+        why = "refusing to replace an input; write the output elsewhere"
+    else:
+        why = "give each input once (it would count twice)"
+    raise OutputPathError(
+        f"{first[0]} {first[1]} and {second[0]} {second[1]} are the same file: {why}"
+    )
 
 
 # Temporary names of atomic_write and save_sharded that a killed process
