@@ -11,6 +11,7 @@ tmp_path.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -18,8 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import error_line
+from torch.distributed.checkpoint import FileSystemWriter
 
 from distribuuuu import checkpoint as cp
+from distribuuuu import cli
 from distribuuuu.models import build_model
 from distribuuuu.tools import average_checkpoints as average_tool
 from distribuuuu.tools import export as export_tool
@@ -179,3 +182,57 @@ def test_average_refuses_to_replace_an_input(alias, tmp_path, capsys):
     line = error_line(capsys)
     assert f"--out {out} and checkpoint {first} are the same file" in line
     assert first.read_bytes() == before
+
+
+# --------------------------------------------------------------------------- #
+# A full disk during a sharded (DCP) save
+# --------------------------------------------------------------------------- #
+
+
+def failing_writes(monkeypatch, code: int) -> None:
+    """DCP's file writer writes part of a shard, then fails with ``code``."""
+
+    def write_data(self, plan, planner):
+        (Path(self.path) / "__0_0.distcp").write_bytes(b"\0" * 4096)
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+
+
+@pytest.fixture
+def saved_run(tmp_path) -> Path:
+    """OUT_DIR holding one complete checkpoint, ``last`` naming it."""
+    out = tmp_path / "out"
+    cp.save_checkpoint(str(out), 1, {"epoch": 1, "w": torch.ones(3)})
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [
+        (errno.ENOSPC, "no space left on device while writing"),
+        (errno.EIO, "Input/output error"),
+    ],
+)
+def test_a_failed_sharded_save_ends_in_one_error_line(
+    code, words, saved_run, monkeypatch, capsys
+):
+    """FSDP's save on a full disk gave raw tracebacks (DCP's exception is a
+    BaseException) and left a ``.dcp.tmp`` folder: now one ``error:`` line,
+    no folder, and the previous checkpoint still ``last`` and loadable."""
+    failing_writes(monkeypatch, code)
+    shards = {"model": {"w": torch.zeros(8)}}
+
+    def save() -> None:
+        cp.save_sharded(str(saved_run), cp.checkpoint_name(2), shards)
+
+    assert cli.run_tool(save) == cli.EXIT_FAILED
+    line = error_line(capsys)
+    assert words in line
+    if code == errno.ENOSPC:
+        assert line.endswith(os.path.join("checkpoints", "ckpt_ep_0002.dcp"))
+    folder = saved_run / "checkpoints"
+    assert sorted(os.listdir(folder)) == ["ckpt_ep_0001.pth", "last"]
+    assert (folder / "last").read_text() == "ckpt_ep_0001.pth\n"
+    assert cp.load_file(str(folder / "ckpt_ep_0001.pth"))["epoch"] == 1

@@ -47,6 +47,7 @@ from distribuuuu.checkpoint.files import (
     RefusedCheckpointError,
     error_summary,
     fsync_dir,
+    raise_if_disk_full,
     refused,
     sharded_dir,
 )
@@ -88,6 +89,9 @@ def save_folder(
     place once every rank has written and synced its files, so a folder under
     its final name is always complete.  The manifest holds the size and
     SHA-256 of every file in its sub-folder ``inner``, checked before resuming.
+    When ``write`` fails, rank 0 removes the temporary folder and a full disk
+    raises DiskFullError naming the folder; the checkpoints saved before stay
+    as they were.
     """
     directory = os.path.join(out_dir, CHECKPOINT_DIR)
     final = sharded_dir(os.path.join(directory, name), suffix)
@@ -96,7 +100,14 @@ def save_folder(
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     du.barrier()
-    write(tmp)
+    try:
+        write(tmp)
+    except Exception as error:
+        # The half-written folder would only hold the space a next save needs.
+        if du.is_main_process():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise_if_disk_full(error, directory, final)
+        raise
     du.barrier()
     manifest = shard_manifest(os.path.join(tmp, inner))
     if du.is_main_process():
@@ -113,9 +124,25 @@ def save_sharded(out_dir: str, name: str, state: dict) -> tuple[str, dict]:
     manifest (see :func:`save_folder`)."""
 
     def write(folder: str) -> None:
-        dcp.save(state, checkpoint_id=folder)
+        try:
+            dcp.save(state, checkpoint_id=folder)
+        except CheckpointException as error:  # the same one on every rank
+            raise _save_failure(error, folder) from error
 
     return save_folder(out_dir, name, SHARDED_SUFFIX, write)
+
+
+def _save_failure(error: CheckpointException, folder: str) -> Exception:
+    """The error of the first rank whose part of DCP's save failed: DCP wraps
+    it in a CheckpointException, a BaseException that ``except Exception``
+    (and so the one ``error:`` line of the tools) would miss."""
+    rank = min(error.failures)
+    failure, _ = error.failures[rank]
+    if isinstance(failure, Exception):
+        return failure
+    return RuntimeError(
+        f"rank {rank} failed to save its shards in {folder}: {error_summary(failure)}"
+    )
 
 
 # The exact globals a DCP .metadata pickle builds (measured on torch 2.14's
