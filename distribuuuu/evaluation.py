@@ -50,6 +50,7 @@ from distribuuuu.session import run_context
 from distribuuuu.state import TrainState
 from distribuuuu.syncbn import recompute_bn_statistics
 from distribuuuu.tta import tta_logits
+from distribuuuu.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -239,13 +240,17 @@ def evaluate_checkpoint(cfg: CfgNode) -> dict:
     accuracy (CSV) to OUT_DIR.  Returns the metrics, the confusion matrix,
     the class names and the paths written.
     """
-    with run_context(cfg) as (info, device):
+    with (
+        run_context(cfg) as (info, device),
+        Watchdog(cfg.DATA.TIMEOUT, info.rank) as watchdog,
+    ):
         path = weights_to_evaluate(cfg)
         val_set = build_dataset(cfg, train=False)
         model = build_model(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES)
         cp.load_model_weights(model, cp.load_file(path), path)
         model.to(device)
         loader = build_test_loader(cfg, val_set, info.rank, info.world_size, device)
+        loader = watchdog.watch(loader, "eval")
         amp_dtype, _ = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
         spec = EvalSpec.of(cfg, device, build_normalizer(cfg, device), amp_dtype)
         stats, confusion = evaluate(model, loader, spec)

@@ -66,25 +66,31 @@ def summarize(values: list[float]) -> dict:
     }
 
 
-def measure_startup(cmd: list[str], env: dict, repeats: int) -> dict:
-    """Seconds of ``cmd`` (a ``--dry-run``), launch to exit, beside those of
-    importing torch and torchvision alone (alternating which goes first), and
-    the per-repeat difference: what the run itself adds."""
-    imports = [sys.executable, "-c", "import torch, torchvision"]
-    seconds: dict[str, list[float]] = {"dry run": [], "imports": []}
+def measure_startup(runs: dict[str, list[str]], env: dict, repeats: int) -> dict:
+    """Seconds of each command of ``runs`` (``--dry-run``s), launch to exit,
+    beside those of importing torch and torchvision alone (which goes first
+    rotates with each repeat), and per command the per-repeat difference:
+    what the run itself adds.  The first command's figures are also the
+    result's own ``seconds`` and ``beyond_imports``."""
+    commands = {**runs, "imports": [sys.executable, "-c", "import torch, torchvision"]}
+    seconds: dict[str, list[float]] = {name: [] for name in commands}
+    names = list(commands)
     for repeat in range(repeats):
-        sides = [("dry run", cmd), ("imports", imports)]
-        for name, command in sides if repeat % 2 == 0 else sides[::-1]:
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
             tic = time.perf_counter()
-            subprocess.run(command, check=True, capture_output=True, timeout=600,
-                           env=env)  # fmt: skip
+            subprocess.run(commands[name], check=True, capture_output=True,
+                           timeout=600, env=env)  # fmt: skip
             seconds[name].append(time.perf_counter() - tic)
-    beyond = [a - b for a, b in zip(seconds["dry run"], seconds["imports"])]
-    return {
-        "seconds": summarize(seconds["dry run"]),
-        "imports": summarize(seconds["imports"]),
-        "beyond_imports": summarize(beyond),
-    }
+    measured = {}
+    for name in runs:
+        beyond = [a - b for a, b in zip(seconds[name], seconds["imports"])]
+        measured[name] = {
+            "seconds": summarize(seconds[name]),
+            "beyond_imports": summarize(beyond),
+        }
+    first = measured[names[0]]
+    return {**first, "imports": summarize(seconds["imports"]), "runs": measured}
 
 
 def stop_check_cost(every: int, step_s: float | None, short: bool, repeats: int):

@@ -82,6 +82,9 @@ def peer_failure(error: BaseException) -> PeerLostError | None:
         who = f"{_name_ranks(silent)} did not answer (stopped, dead or hung)"
     else:
         who = "every other rank answered (they waited in different collectives?)"
+    first = failed_peer()
+    if first:
+        who += f"; the first to fail: {first}"
     failure = PeerLostError(f"{what}; {who}")
     failure.__cause__ = error
     return failure
@@ -100,6 +103,44 @@ def _name_ranks(ranks: list[int]) -> str:
     return "ranks " + ", ".join(str(r) for r in ranks)
 
 
+def _attempt_key(name: str) -> str:
+    """A key of this attempt of the job: a restart (torchrun --max-restarts,
+    Slurm requeue) may share the store with a failed attempt, whose keys must
+    not count."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt += "." + os.environ.get("SLURM_RESTART_COUNT", "0")
+    return f"distribuuuu/{name}/{attempt}/"
+
+
+def announce_failure(message: str) -> None:
+    """Tell the other ranks, through the group's store, that this rank fails
+    with ``message`` (the first rank to fail is the one they name)."""
+    store = _GROUP.get("store")
+    if store is None:
+        return
+    key = _attempt_key("failure")
+    try:
+        if store.add(key + "count", 1) == 1:
+            store.set(key + "message", message)
+    except Exception:  # the store is gone: the peers learn it from the backend
+        pass
+
+
+def failed_peer() -> str | None:
+    """The message of a rank that announced its failure, or None (also when
+    the store cannot be asked)."""
+    store = _GROUP.get("store")
+    if store is None:
+        return None
+    key = _attempt_key("failure") + "message"
+    try:
+        if store.check([key]):
+            return store.get(key).decode(errors="replace")
+    except Exception:  # gone or stopped: the backend's error tells the rest
+        pass
+    return None
+
+
 def _silent_ranks(
     store: Any, rank: int, world_size: int, timeout_s: float
 ) -> tuple[list[int], str]:
@@ -111,11 +152,7 @@ def _silent_ranks(
     others = [r for r in range(world_size) if r != rank]
     if store is None:
         return others, "no store to ask"
-    # A restart of the job (torchrun --max-restarts, Slurm requeue) may share
-    # the store with the failed attempt: its marks must not count.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    attempt += "." + os.environ.get("SLURM_RESTART_COUNT", "0")
-    key = f"distribuuuu/peer_failure/{attempt}/"
+    key = _attempt_key("peer_failure")
     wait_s = min(5.0, max(1.0, timeout_s))
     try:
         # The store may live in a stopped process: never wait on it for long.

@@ -13,6 +13,7 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import distributed as du
+from distribuuuu.data.workers import start_worker_server
 from distribuuuu.logger import setup_logging
 from distribuuuu.precision import resolve_auto_precision
 from distribuuuu.run_lock import agree_out_dir_free
@@ -44,6 +45,8 @@ def run_context(
 
     Without ``log_files`` nothing is written to OUT_DIR (console only).
     """
+    if cfg.TRAIN.WORKERS > 0:  # its imports overlap joining the group and building
+        start_worker_server()
     if cfg.CUDNN.DETERMINISTIC:
         # cuBLAS needs this before its first use to be deterministic.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

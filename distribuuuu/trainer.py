@@ -44,6 +44,7 @@ from distribuuuu.slurm import requeue_slurm_job
 from distribuuuu.state import RunClock, TrainState, plan_batches, restore_rng_state
 from distribuuuu.strategies import Strategy, build_strategy, strategy_class
 from distribuuuu.trackers import FAILED, FINISHED, KILLED, build_trackers
+from distribuuuu.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,10 @@ def train_model(cfg: CfgNode) -> dict:
     Returns the final validation metrics, or ``{"stopped_by": signal number}``
     when SIGTERM/SIGUSR1 stopped it after saving a checkpoint.
     """
-    with run_context(cfg) as (info, device):
+    with (
+        run_context(cfg) as (info, device),
+        Watchdog(cfg.DATA.TIMEOUT, info.rank) as watchdog,
+    ):
         if info.rank == 0:
             dump_cfg(cfg)
             strategy_class(cfg).write_config(cfg, info.world_size)
@@ -67,6 +71,8 @@ def train_model(cfg: CfgNode) -> dict:
             state, train_loader, val_loader = build_train_state(
                 cfg, info, device, writer
             )
+            train_loader = watchdog.watch(train_loader, "train")
+            val_loader = watchdog.watch(val_loader, "eval")
             stop = StopRequest(cfg.DIST.STOP_CHECK_STEPS)
             try:
                 result = train_epochs(cfg, state, train_loader, val_loader, stop)
@@ -93,10 +99,15 @@ def dry_run(cfg: CfgNode) -> dict:
     cfg.TRAIN.PRINT_FREQ = 1  # log the single step
     cfg.TRAIN.PROFILE_STEPS = 0  # nothing is written
     cfg.freeze()
-    with run_context(cfg, log_files=False) as (info, device):
+    with (
+        run_context(cfg, log_files=False) as (info, device),
+        Watchdog(cfg.DATA.TIMEOUT, info.rank) as watchdog,
+    ):
         tic = time.perf_counter()
         writer = MetricsWriter(cfg.OUT_DIR, enabled=False)
         state, train_loader, val_loader = build_train_state(cfg, info, device, writer)
+        train_loader = watchdog.watch(train_loader, "train")
+        val_loader = watchdog.watch(val_loader, "eval")
         built = time.perf_counter()
         train_epoch(state, train_loader, cfg, after_step=lambda: True)
         stepped = time.perf_counter()

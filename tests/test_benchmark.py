@@ -32,7 +32,7 @@ def test_short_benchmark_writes_table_and_json(tmp_path):
     result = run_command(cmd, timeout=240)
     assert_ok(result)
     rows = ("train_step", "train_step cpu", "eval", "data_pipeline", "startup")
-    for row in (*rows, "startup beyond", "stop check"):
+    for row in (*rows, "startup beyond", "startup workers beyond", "stop check"):
         assert row in result.stdout
     report = json.loads(out.read_text())
     settings, results = report["settings"], report["results"]
@@ -52,8 +52,11 @@ def test_short_benchmark_writes_table_and_json(tmp_path):
             assert figure["min"] > 0
     startup = results["startup"]
     assert startup["seconds"]["median"] > 0 and startup["imports"]["median"] > 0
-    runs = zip(startup["seconds"]["runs"], startup["imports"]["runs"])
-    assert startup["beyond_imports"]["runs"] == [a - b for a, b in runs]
+    for run in ("dry run", benchmark.WORKERS_RUN):  # without and with workers
+        measured = startup["runs"][run]
+        pairs = zip(measured["seconds"]["runs"], startup["imports"]["runs"])
+        assert measured["beyond_imports"]["runs"] == [a - b for a, b in pairs]
+    assert startup["seconds"] == startup["runs"]["dry run"]["seconds"]
     stop = results["stop_check"]
     assert stop["every"] == 20 and 0 < stop["check_s"]["median"] < 1
     assert stop["per_step_s"] == stop["check_s"]["median"] / 20

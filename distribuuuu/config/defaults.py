@@ -145,6 +145,11 @@ _C.DATA.REPEATED_AUG = 1
 # its shuffle buffer; the order within a reader's shards is shuffled this far
 # (1 = shard order; more holds more encoded images in memory)
 _C.DATA.SHUFFLE_BUFFER = 1000
+# Seconds a rank waits for a batch (of the training or evaluation loader, with
+# loader workers or without) before the run fails with an error naming the
+# rank, the loader and its workers; the other ranks stop too and name it.
+# Far above any real wait (a first batch starts the workers) (0 = off)
+_C.DATA.TIMEOUT = 600
 
 # ---------------------------------------------------------------------------- #
 # Training

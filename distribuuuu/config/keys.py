@@ -158,6 +158,7 @@ RANGES = {
     "DATA.RANDOM_ERASING": _within("[0, 1]", " (0 = off)"),
     "DATA.REPEATED_AUG": _at_least(1, " (1 = off)"),
     "DATA.SHUFFLE_BUFFER": _at_least(1, " (1 = shard order)"),
+    "DATA.TIMEOUT": _at_least(0, " seconds (0 = off)"),
     "TEST.BATCH_SIZE": _at_least(1),
     "TEST.IM_SIZE": _at_least(1),
     "TEST.PRINT_FREQ": _at_least(1),

@@ -37,6 +37,7 @@ from distribuuuu.data.transforms import (
     imagenet_transforms,
     small_image_transforms,
 )
+from distribuuuu.data.workers import worker_context
 from distribuuuu.tta import CROP_MODES
 
 __all__ = [
@@ -225,7 +226,7 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
         shards = open_shards(cfg[section].DATASET, key)
         _check_class_count(key, shards.paths[0], len(shards.classes),
                            cfg.MODEL.NUM_CLASSES)  # fmt: skip
-        decoder = ShardDecoder(shards, transform, _decode_bytes(cfg, train),
+        decoder = ShardDecoder(shards, transform, _DecodeBytes(cfg, train),
                                cfg.DATA.SKIP_CORRUPT)  # fmt: skip
         return ShardedImages(shards, decoder)
     if name == "synthetic":
@@ -237,21 +238,21 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
     raise ValueError(f"unknown DATA.NAME {name!r}")
 
 
-def _decode_bytes(
-    cfg: CfgNode, train: bool
-) -> Callable[[bytes, str], torch.Tensor | Image.Image | JpegFile]:
+class _DecodeBytes:
     """What decodes an encoded image (DATA.DECODER), as :func:`image_reader`
     reads a file; in DATA.DECODER fused training a plain JPEG is left for the
     crop to decode its window, as :func:`~distribuuuu.data.jpeg.read_or_defer`
-    leaves a file."""
-    as_tensor = cfg.DATA.DECODER != "pil"  # fused and tensor decode alike here
-    defer = train and cfg.DATA.DECODER == "fused"
+    leaves a file.  (A class, not a closure: loader workers unpickle it.)"""
 
-    def decode(data: bytes, name: str) -> torch.Tensor | Image.Image | JpegFile:
-        image = jpeg_bytes(data, name) if defer else None
-        return ds.decode_image_bytes(data, name, as_tensor) if image is None else image
+    def __init__(self, cfg: CfgNode, train: bool):
+        self.as_tensor = cfg.DATA.DECODER != "pil"  # fused and tensor decode alike
+        self.defer = train and cfg.DATA.DECODER == "fused"
 
-    return decode
+    def __call__(self, data: bytes, name: str) -> torch.Tensor | Image.Image | JpegFile:
+        image = jpeg_bytes(data, name) if self.defer else None
+        if image is None:
+            return ds.decode_image_bytes(data, name, self.as_tensor)
+        return image
 
 
 def _image_folder(cfg: CfgNode, train: bool) -> tuple[str, str]:
@@ -341,6 +342,8 @@ def _loader_kwargs(cfg: CfgNode, device: torch.device) -> dict:
         "pin_memory": cfg.TRAIN.PIN_MEMORY and device.type == "cuda",
         "persistent_workers": workers > 0,
         "worker_init_fn": _seed_worker if workers > 0 else None,
+        # Never a fork of this (threaded) process: see data/workers.py.
+        "multiprocessing_context": worker_context() if workers > 0 else None,
         "collate_fn": (
             gpu_decode.collate_encoded if cfg.DATA.DECODER == "gpu" else None
         ),

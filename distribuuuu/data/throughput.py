@@ -21,6 +21,7 @@ from torchvision import transforms as classic
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_dataset, build_normalizer, build_train_loader
 from distribuuuu.data.datasets import IMAGENET_MEAN, IMAGENET_STD
+from distribuuuu.data.workers import worker_context
 
 # ImageNet's median photo is about 500 x 375 (4:3 landscape); the JPEGs of the
 # data-pipeline measurement have that size.
@@ -65,6 +66,8 @@ def reference_loader(root: str, im_size: int, batch: int, workers: int):
         num_workers=workers,
         persistent_workers=workers > 0,
         drop_last=True,
+        # As ours: this process has torch's threads, so never a fork of it.
+        multiprocessing_context=worker_context() if workers > 0 else None,
     )
 
 
