@@ -27,7 +27,7 @@ from helpers import (
     start,
 )
 
-from distribuuuu import preflight, run_lock
+from distribuuuu import preflight, run_lock, trainer
 from distribuuuu.config import ConfigError
 
 # A live run, as far as the lock can tell: takes OUT_DIR's lock, says so, sleeps.
@@ -99,6 +99,48 @@ def test_lock_is_free_once_its_holder_is_killed(holder):
         assert record["pid"] == os.getpid()
     finally:
         run_lock.release_out_dir_locks()
+
+
+# Another process's attempt at OUT_DIR's lock: prints the refusal, or "free".
+PROBE = """
+import sys
+from distribuuuu import run_lock
+try:
+    run_lock.lock_out_dir(sys.argv[1])
+    print("free")
+except run_lock.OutDirInUseError as error:
+    print(error)
+"""
+
+
+def probe(out: Path) -> str:
+    """What another process that tries to lock ``out`` now is told."""
+    cmd = [sys.executable, "-c", PROBE, str(out)]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env).stdout
+
+
+def test_a_run_holds_the_lock_until_it_ends(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    told = []
+
+    def train_model(cfg) -> dict:  # the run: asks another process meanwhile
+        told.append(probe(out))
+        return {}
+
+    monkeypatch.setattr(trainer, "train_model", train_model)
+    assert call_main(*TINY, "OUT_DIR", str(out)).returncode == 0
+    assert f"pid {os.getpid()}, started" in told[0]
+    assert probe(out) == "free\n"
+
+
+def test_a_lock_file_that_is_a_link_is_refused(tmp_path):
+    target = tmp_path / "target"
+    target.write_text("kept")
+    (tmp_path / run_lock.LOCK_NAME).symlink_to(target)
+    with pytest.raises(ConfigError, match="a symbolic link"):
+        run_lock.lock_out_dir(str(tmp_path))
+    assert target.read_text() == "kept"
 
 
 def test_file_system_without_locks_warns_once_and_the_run_goes_on(
