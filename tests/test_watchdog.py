@@ -15,10 +15,10 @@ from helpers import (
     REPO,
     TINY,
     TRAIN_NET,
-    descendants,
     free_port,
     kill_tree,
     last_checkpoint_weights,
+    process_table,
 )
 from torch.utils.data import DataLoader, Dataset
 
@@ -157,8 +157,10 @@ def test_a_stopped_worker_fails_the_run_and_the_other_rank_names_it(tmp_path):
         while not os.path.exists(last) and time.monotonic() < deadline:
             assert all(rank.poll() is None for rank in ranks)
             time.sleep(0.2)
-        # Rank 0's loader workers (and the fork server they come from) stop.
-        workers = descendants(ranks[0].pid)
+        # Rank 0's loader workers stop: the children of its fork server.
+        children = {pid for pid, ppid, _, _ in process_table() if ppid == ranks[0].pid}
+        workers = [pid for pid, ppid, _, _ in process_table() if ppid in children]
+        assert workers
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
