@@ -41,6 +41,9 @@ _PLAIN_ERRORS = {
     "PeerLostError",
 }
 _TYPE_NAME = re.compile(r"^[A-Za-z_][\w.]*$")
+# The longest error line printed: a message that quotes a huge value (a list of
+# 100,000 steps) is cut in the middle; log.txt keeps it whole in the traceback.
+MAX_ERROR_CHARS = 2000
 
 
 def add_debug_option(parser: argparse.ArgumentParser) -> None:
@@ -84,9 +87,20 @@ def is_rank_zero() -> bool:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
+def shorten(message: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``message`` cut in the middle to at most about ``limit`` characters,
+    saying how many were cut (its start and end name what and why)."""
+    cut = len(message) - limit
+    if cut <= 0:
+        return message
+    head, tail = limit // 2, limit - limit // 2
+    return f"{message[:head]} ... [{cut} characters cut] ... {message[-tail:]}"
+
+
 def print_error(message: str, code: int) -> int:
-    """Print ``error: message`` on stderr; return ``code``."""
-    print(f"error: {message}", file=sys.stderr)
+    """Print ``error: message`` on stderr (one line, at most about
+    MAX_ERROR_CHARS characters); return ``code``."""
+    print(f"error: {shorten(message)}", file=sys.stderr)
     return code
 
 

@@ -78,6 +78,20 @@ def test_a_rule_may_compute_the_code_from_the_error(capsys):
     assert error_line(capsys).startswith("error: ")
 
 
+def test_a_long_error_line_is_cut_in_the_middle(capsys):
+    """A message quoting a huge value (690,000 characters) prints one line of
+    about 2000, its start and end kept; --debug's traceback keeps it whole."""
+    message = "OPTIM.STEPS: " + "x" * 690_000 + " must increase"
+    rules = (cli.ErrorExit(ConfigError, 2),)
+    assert cli.run_tool(_raise(ConfigError(message)), rules=rules) == 2
+    line = error_line(capsys)
+    assert len(line) < 2100
+    assert line.startswith("error: OPTIM.STEPS: xxx") and line.endswith("must increase")
+    assert "characters cut]" in line
+    assert cli.run_tool(_raise(ConfigError(message)), debug=True, rules=rules) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_system_exit_passes_through():
     with pytest.raises(SystemExit):
         cli.run_tool(_raise(SystemExit(143)))
