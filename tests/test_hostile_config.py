@@ -97,6 +97,15 @@ YAML_CASES = {
         "# " + "x" * MAX_YAML_BYTES + "\nOPTIM:\n  BASE_LR: 0.1\n",
         ["larger than 1024 KiB"],
     ),
+    # yaml itself keeps the last of two keys: the first block would be lost.
+    "a-section-twice": (
+        "OPTIM:\n  BASE_LR: 0.2\nTRAIN:\n  BATCH_SIZE: 16\nOPTIM:\n  MAX_EPOCH: 3\n",
+        ["key OPTIM is given twice", "lines 1 and 5"],
+    ),
+    "a-key-twice": (
+        "OPTIM:\n  BASE_LR: 0.2\n  BASE_LR: 0.3\n",
+        ["key BASE_LR is given twice", "lines 2 and 3"],
+    ),
 }
 
 
@@ -116,6 +125,26 @@ def test_small_aliases_still_work(tmp_path):
     result = call_main("--cfg", str(path), "--print-config", *TINY)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("IM_SIZE: 28") == 2
+
+
+def test_a_key_twice_in_a_base_file_exits_2(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("TRAIN:\n  BATCH_SIZE: 32\nTRAIN:\n  IM_SIZE: 28\n")
+    path = tmp_path / "child.yaml"
+    path.write_text("_BASE_: base.yaml\nOPTIM:\n  BASE_LR: 0.2\n")
+    words = [str(base), "key TRAIN is given twice", "lines 1 and 3"]
+    refused(tmp_path, ["--cfg", str(path)], words)
+
+
+def test_a_merge_may_still_be_overridden(tmp_path):
+    """``<<: *name`` then a key of the mapping: no key given twice."""
+    path = tmp_path / "merge.yaml"
+    path.write_text(
+        "TRAIN: &train\n  IM_SIZE: 28\n  BATCH_SIZE: 32\n"
+        "TEST:\n  <<: *train\n  BATCH_SIZE: 64\n"
+    )
+    cfg = load_cfg(str(path), TINY)
+    assert (cfg.TEST.IM_SIZE, cfg.TEST.BATCH_SIZE, cfg.TRAIN.BATCH_SIZE) == (28, 64, 32)
 
 
 @pytest.mark.parametrize("text", [laughs(6), "a: " + "[" * 50_000 + "]" * 50_000])
@@ -166,6 +195,14 @@ def test_non_finite_numbers_exit_2(case, tmp_path):
     if isinstance(args, tuple):
         args = _yaml_number(tmp_path, *args)
     refused(tmp_path, list(args), [*words, "finite"])
+
+
+def test_a_huge_value_gives_a_short_error_line(tmp_path):
+    """20,000 steps, a line of 110,000 characters before it was cut (python
+    takes seconds to parse the issue's 99,990)."""
+    steps = "[" + ",".join(str(step) for step in range(1, 20_001)) + "]"
+    line = refused(tmp_path, ["OPTIM.STEPS", steps], ["OPTIM.STEPS", "characters cut"])
+    assert len(line) < 2100
 
 
 @pytest.mark.parametrize("seconds", ["100000000000000000000", "604801"])
@@ -240,10 +277,10 @@ def test_cfg_dest_naming_the_runs_files_exits_2(dest, tmp_path):
 
 
 def test_dump_cfg_leaves_no_temporary_file(tmp_path):
-    """A write that fails (here: CFG_DEST taken by a folder) leaves no temp file."""
+    """A write refused (here: CFG_DEST taken by a folder) leaves no temp file."""
     cfg = get_cfg()
     (tmp_path / cfg.CFG_DEST).mkdir()
-    with pytest.raises(OSError):
+    with pytest.raises(cp.OutputPathError, match="is a folder"):
         dump_cfg(cfg, str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [cfg.CFG_DEST]
     shutil.rmtree(tmp_path / cfg.CFG_DEST)

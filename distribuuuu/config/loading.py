@@ -9,6 +9,7 @@ views, and the annotated yaml of ``--print-config``.
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import logging
 import math
@@ -138,6 +139,7 @@ MAX_YAML_DEPTH = 64
 # Values after expanding aliases (*name): a few nested aliases of a small
 # file would otherwise expand to billions ("billion laughs").
 MAX_YAML_NODES = 100_000
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class _BoundedLoader(yaml.SafeLoader):
@@ -184,6 +186,27 @@ class _BoundedLoader(yaml.SafeLoader):
             )
         self._expanded[id(node)] = (node, depth, size)
         return node
+
+    def construct_mapping(self, node, deep=False):
+        """A mapping as yaml builds it, refusing a key given twice (yaml keeps
+        the last silently: a second ``OPTIM:`` block would drop the first).
+
+        A merge (``<<: *name``) may still be overridden by the mapping's keys.
+        """
+        if isinstance(node, yaml.MappingNode):
+            lines: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE_TAG:
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                with contextlib.suppress(TypeError):  # unhashable: yaml refuses it
+                    if key in lines:
+                        raise ConfigError(
+                            f"key {key} is given twice (lines {lines[key]} and {line})"
+                        )
+                    lines[key] = line
+        return super().construct_mapping(node, deep)
 
 
 def parse_yaml(text: str) -> Any:
