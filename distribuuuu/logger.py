@@ -16,7 +16,7 @@ import shutil
 import sys
 import time
 
-from distribuuuu.trackers import TensorboardTracker
+from distribuuuu.trackers import TensorboardTracker, open_to_append
 
 PACKAGE_LOGGER = "distribuuuu"
 METRICS_FILE = "metrics.jsonl"
@@ -150,8 +150,8 @@ class MetricsWriter:
         self.trackers = []
         if enabled:
             os.makedirs(out_dir, exist_ok=True)
-            path = os.path.join(out_dir, METRICS_FILE)
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115
+            # Never through a link: one planted there is set aside with a warning.
+            self._file = open_to_append(os.path.join(out_dir, METRICS_FILE))
             default = trackers is None
             self.trackers = [TensorboardTracker(out_dir)] if default else trackers
 

@@ -13,10 +13,13 @@ MLflow and W&B talk to servers and run on threads of their own
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib
 import logging
 import os
+import stat
+from typing import IO
 
 from yacs.config import CfgNode
 
@@ -140,7 +143,8 @@ class CsvTracker(Tracker):
     ``step``; lists such as per-class top-1 stay in metrics.jsonl).  A resumed
     run appends, as to metrics.jsonl; a field that appears later (another
     world size adds ``scaling_efficiency``) rewrites the file with a wider
-    header, earlier rows leaving it empty."""
+    header, earlier rows leaving it empty.  A file there that is no UTF-8 csv,
+    a link or no regular file is set aside (:func:`set_aside`)."""
 
     name = "csv"
 
@@ -156,33 +160,103 @@ class CsvTracker(Tracker):
             (k, v) for k, v in record.items() if k != "split" and isinstance(v, plain)
         )
         path = os.path.join(self.out_dir, CSV_FILE.format(split=split))
-        header = self._headers.get(split) or _csv_header(path)
-        if header is None or not set(row) <= set(header):
-            rows = [] if header is None else _csv_rows(path)
+        header = self._headers.get(split) or _read_csv(path, with_rows=False)[0]
+        if header and set(row) <= set(header):
+            with open_to_append(path, newline="") as f:
+                csv.DictWriter(f, header, restval="").writerow(row)
+        else:
+            rows = _read_csv(path, with_rows=True)[1] if header else []
             header = (header or []) + [k for k in row if k not in (header or [])]
-            _write_csv(path, header, rows, "w")
+            _rewrite_csv(path, header, [*rows, row])
         self._headers[split] = header
-        _write_csv(path, header, [row], "a")
 
 
-def _csv_header(path: str) -> list[str] | None:
-    if not os.path.exists(path):
-        return None
-    with open(path, newline="", encoding="utf-8") as f:
-        return next(csv.reader(f), None)
+def set_aside(path: str, why: str) -> None:
+    """Rename what is at ``path`` (a link is renamed, never followed) to a free
+    name beside it, ``<name>.old``, ``<name>.old2``, ...; warn, saying ``why``."""
+    aside, number = f"{path}.old", 1
+    while os.path.lexists(aside):
+        number += 1
+        aside = f"{path}.old{number}"
+    os.rename(path, aside)
+    logger.warning(
+        "%s %s: moved it to %s, a new file takes its place",
+        path,
+        why,
+        os.path.basename(aside),
+    )
 
 
-def _csv_rows(path: str) -> list[dict]:
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+def _regular_file_there(path: str) -> bool:
+    """True when a regular file is at ``path``; anything else there (a link, a
+    FIFO, a folder) is set aside, since writing through it would change what
+    it points to."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISREG(mode):
+        return True
+    kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+    set_aside(path, f"is {kind}, which a run never writes through")
+    return False
 
 
-def _write_csv(path: str, header: list[str], rows: list[dict], mode: str) -> None:
-    with open(path, mode, newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, header, restval="")
-        if mode == "w":
+def _open_text(path: str, flags: int, mode: str, newline: str | None) -> IO[str]:
+    """``path`` opened with ``flags`` as UTF-8 text, never through a link and
+    never blocking on a FIFO (O_NOFOLLOW and O_NONBLOCK: both raise OSError)."""
+    flags |= os.O_NOFOLLOW | os.O_NONBLOCK
+    fd = os.open(path, flags, 0o666)
+    try:
+        return open(fd, mode, encoding="utf-8", newline=newline)  # noqa: SIM115
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_to_append(path: str, newline: str | None = None) -> IO[str]:
+    """``path`` opened to append UTF-8 text (created if missing), never through
+    a link: a link or other non-regular file there is set aside first."""
+    _regular_file_there(path)
+    return _open_text(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "a", newline)
+
+
+def _read_csv(path: str, with_rows: bool) -> tuple[list[str] | None, list[dict]]:
+    """The header (None: no file, or an empty one) and, ``with_rows``, the rows
+    of the csv at ``path``.  A file that cannot be read as a UTF-8 csv is set
+    aside (a resume goes on with a new file), as is a link."""
+    if not _regular_file_there(path):
+        return None, []
+    try:
+        with _open_text(path, os.O_RDONLY, "r", "") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames
+            rows = list(reader) if with_rows else []
+    except (UnicodeDecodeError, csv.Error) as error:
+        set_aside(path, f"cannot be read as a UTF-8 csv ({error})")
+        return None, []
+    return (list(header) if header else None), rows
+
+
+def _rewrite_csv(path: str, header: list[str], rows: list[dict]) -> None:
+    """Write a csv of ``header`` and ``rows`` beside ``path``, then rename it
+    over ``path``: a crash leaves the old file, and a link there is replaced,
+    its target left as it was."""
+    tmp = os.path.join(
+        os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}"
+    )
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a killed process of the same pid
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        with _open_text(tmp, flags, "w", "") as f:
+            writer = csv.DictWriter(f, header, restval="", extrasaction="ignore")
             writer.writeheader()
-        writer.writerows(rows)
+            writer.writerows(rows)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def build_trackers(cfg: CfgNode) -> list[Tracker]:
