@@ -180,6 +180,12 @@ class MetricsWriter:
             for tracker in self.trackers:
                 tracker.log(record, scalars, step)
 
+    def wrote_file(self, path: str) -> None:
+        """Tell the trackers that this run has just written ``path`` (best
+        weights), which they may upload at the end."""
+        for tracker in self.trackers:
+            tracker.wrote_file(path)
+
     def image(self, tag: str, image, step: int = 0) -> None:
         """Log an HxWx3 uint8 image (a numpy array)."""
         for tracker in self.trackers:

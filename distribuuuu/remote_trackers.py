@@ -18,6 +18,9 @@ import logging
 import os
 import queue
 import re
+import shutil
+import stat
+import tempfile
 import threading
 import time
 import uuid
@@ -133,10 +136,19 @@ class _RemoteTracker(Tracker):
         if keys.UPLOAD_BEST:
             names += ["best.pth", "best_ema.pth"]
         self.files = [os.path.join(cfg.OUT_DIR, name) for name in names]
+        # The files to upload that this run wrote: path -> _file_identity.
+        self.written: dict[str, tuple] = {}
+        # Rank 0 dumps config.yaml just before it builds the trackers.
+        self.wrote_file(self.files[0])
         self.close_timeout = cfg.LOG.CLOSE_TIMEOUT
         self.images: dict = {}
         self.started = False
         self.worker = _Worker(self.name)
+
+    def wrote_file(self, path: str) -> None:
+        identity = _file_identity(path)
+        if path in self.files and identity is not None:
+            self.written[path] = identity
 
     def start(self, run_id: str | None) -> None:
         self.started = True
@@ -164,6 +176,61 @@ class _RemoteTracker(Tracker):
 
     def _finish(self, status: str, images: dict) -> None:
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _own_files(self):
+        """Yield {path: a hard link to it} for the files to upload that are
+        still those this run wrote, never through a symbolic link.
+
+        The links, in a private folder of OUT_DIR removed afterwards, are
+        checked and then uploaded: what is checked is what is sent, even if
+        the name in OUT_DIR is replaced meanwhile.  A file this run did not
+        write (an earlier run's, or one from before a resume) stays out.
+        """
+        with tempfile.TemporaryDirectory(prefix=".upload-", dir=self.out_dir) as tmp:
+            found = {}
+            for path in self.files:
+                link = self._checked_link(path, tmp)
+                if link is not None:
+                    found[path] = link
+            yield found
+
+    def _checked_link(self, path: str, folder: str) -> str | None:
+        """A hard link in ``folder`` to the file at ``path`` if it is the one
+        this run wrote (see :meth:`_own_files`); None, with a line why, if not."""
+        if not os.path.lexists(path):
+            return None
+        wrote = self.written.get(path)
+        if wrote is None:
+            logger.info("%s: %s is not uploaded, this run did not write it",
+                        self.name, path)  # fmt: skip
+            return None
+        link = os.path.join(folder, os.path.basename(path))
+        try:
+            os.link(path, link, follow_symlinks=False)  # a symlink's own entry
+        except OSError:  # no hard links on this file system: the name itself
+            link = path
+        if _file_identity(link) == wrote:
+            return link
+        logger.warning(
+            "%s: %s is not uploaded, it was replaced since this run wrote it "
+            "(by a link, or another file)",
+            self.name,
+            path,
+        )
+        return None
+
+
+def _file_identity(path: str) -> tuple | None:
+    """(device, inode, size, mtime) of the regular file at ``path``; None for a
+    symbolic link (never followed), anything else or nothing."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        return None
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
 
 
 class MlflowTracker(_RemoteTracker):
@@ -250,9 +317,9 @@ class MlflowTracker(_RemoteTracker):
 
     def _finish(self, status: str, images: dict) -> None:
         if status == FINISHED:
-            for path in self.files:
-                if os.path.isfile(path):
-                    self._client.log_artifact(self._run_id, path)
+            with self._own_files() as found:
+                for link in found.values():
+                    self._client.log_artifact(self._run_id, link)
             for tag, image in images.items():
                 self._client.log_image(self._run_id, image, artifact_file=f"{tag}.png")
         self._client.set_terminated(self._run_id, status)
@@ -325,14 +392,25 @@ class WandbTracker(_RemoteTracker):
         run = self._run
         if status == FINISHED:
             run.log({tag: wandb.Image(image) for tag, image in images.items()})
-            config, *best = self.files
-            run.save(config, base_path=self.out_dir, policy="now")
-            best = [path for path in best if os.path.isfile(path)]
-            if best:
-                artifact = wandb.Artifact(f"{self._run_id}-best", type="model")
-                for path in best:
-                    artifact.add_file(path)
-                run.log_artifact(artifact)
+            with self._own_files() as found:
+                self._upload(run, found)
         elif status == KILLED:
             run.mark_preempting()
         run.finish(exit_code=1 if status == FAILED else 0)
+
+    def _upload(self, run, found: dict[str, str]) -> None:
+        """config.yaml into the run's files, the best weights as a model
+        artifact: copies of ``found`` (path -> hard link, see _own_files)."""
+        import wandb
+
+        config, *best = self.files
+        if config in found:  # a copy: W&B links a saved file, uploaded later
+            copy = os.path.join(run.dir, os.path.basename(config))
+            shutil.copyfile(found[config], copy)
+            run.save(copy, base_path=run.dir, policy="now")
+        best = [path for path in best if path in found]
+        if best:
+            artifact = wandb.Artifact(f"{self._run_id}-best", type="model")
+            for path in best:  # "mutable": W&B copies it at once
+                artifact.add_file(found[path], name=os.path.basename(path))
+            run.log_artifact(artifact)

@@ -83,7 +83,9 @@ def save_best_weights(cfg: CfgNode, state: TrainState, top1: float, name: str):
     if du.is_main_process():
         epoch = state.progress.epoch
         weights = best_weights(whole, epoch, top1, state.classes, cfg)
-        cp.save_weights(os.path.join(cfg.OUT_DIR, name), weights)
+        path = os.path.join(cfg.OUT_DIR, name)
+        cp.save_weights(path, weights)
+        state.writer.wrote_file(path)  # what UPLOAD_BEST may upload
 
 
 def load_weights(cfg: CfgNode, strategy: Strategy, model: nn.Module, optimizer) -> str:

@@ -97,6 +97,10 @@ class Tracker:
     def hparams(self, hparams: dict, metrics: dict) -> None:
         """The run's config beside its final scores (at the end)."""
 
+    def wrote_file(self, path: str) -> None:
+        """This run has just written ``path`` (best weights): the end of the run
+        uploads a file only if this run wrote it and it is still that file."""
+
     def close(self, status: str) -> None:
         """End the run: FINISHED (upload its files), FAILED or KILLED."""
 

@@ -15,6 +15,8 @@ import os
 import signal
 import sys
 import time
+import types
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,9 +38,10 @@ from helpers import (
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
 
-from distribuuuu.config import flat_cfg, get_cfg  # noqa: E402
+from distribuuuu.config import dump_cfg, flat_cfg, get_cfg  # noqa: E402
 from distribuuuu.logger import MetricsWriter  # noqa: E402
-from distribuuuu.remote_trackers import MlflowTracker  # noqa: E402
+from distribuuuu.remote_trackers import MlflowTracker, WandbTracker  # noqa: E402
+from distribuuuu.resume import save_best_weights  # noqa: E402
 
 logger = logging.getLogger(__name__)
 EVERY = ["LOG.TRACKERS", "['tensorboard','mlflow','wandb','csv']"]
@@ -282,3 +285,125 @@ def test_missing_wandb_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     line = refused(str(tmp_path / "out"), *TINY, "LOG.TRACKERS", "['wandb']")
     assert "pip install 'distribuuuu[wandb]'" in line
+
+
+# --------------------------------------------------------------------------- #
+# UPLOAD_BEST sends only the files this run wrote (fake MLflow and W&B clients)
+# --------------------------------------------------------------------------- #
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@pytest.fixture
+def uploads(monkeypatch, tmp_path) -> dict[str, bytes]:
+    """What the MLflow and W&B trackers upload (file name -> bytes, read as
+    it is handed over), to fake clients that talk to no server."""
+    sent: dict[str, bytes] = {}
+
+    class MlflowClient:
+        def __init__(self, uri=None):
+            pass
+
+        def get_experiment_by_name(self, name):
+            return None
+
+        def create_experiment(self, name):
+            return "0"
+
+        def create_run(self, experiment_id, run_name=None):
+            info, data = SimpleNamespace(run_id="r1"), SimpleNamespace(params={})
+            return SimpleNamespace(info=info, data=data)
+
+        def log_batch(self, run_id, metrics=(), params=()):
+            pass
+
+        def log_artifact(self, run_id, local_path, artifact_path=None):
+            sent[os.path.basename(local_path)] = _read(local_path)
+
+        def set_terminated(self, run_id, status):
+            pass
+
+    class WandbRun:
+        dir = str(tmp_path / "wandb-files")
+        config = SimpleNamespace(update=lambda *args, **kwargs: None)
+
+        def define_metric(self, *args, **kwargs):
+            pass
+
+        def log(self, metrics):
+            pass
+
+        def save(self, path, base_path=None, policy="live"):
+            sent[os.path.basename(path)] = _read(path)
+
+        def log_artifact(self, artifact):
+            sent.update(artifact.files)
+
+        def finish(self, exit_code=0):
+            pass
+
+    class Artifact:
+        def __init__(self, name, type):
+            self.files = {}
+
+        def add_file(self, local_path, name=None):
+            self.files[name or os.path.basename(local_path)] = _read(local_path)
+
+    os.makedirs(WandbRun.dir)
+    wandb = types.ModuleType("wandb")
+    wandb.init, wandb.Artifact = lambda **kwargs: WandbRun(), Artifact
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setattr(mlflow, "MlflowClient", MlflowClient)
+    return sent
+
+
+def _best_weights_saved(cfg, writer: MetricsWriter, name: str) -> None:
+    """save_best_weights of a one-tensor model at epoch 1, as an evaluation does."""
+    strategy = SimpleNamespace(model_state_dict=lambda model: {"w": torch.ones(2)})
+    progress = SimpleNamespace(epoch=1)
+    state = SimpleNamespace(strategy=strategy, model=None, progress=progress,
+                            classes=["a", "b"], writer=writer)  # fmt: skip
+    save_best_weights(cfg, state, 50.0, name)
+
+
+@pytest.mark.parametrize("tracker", ["mlflow", "wandb"])
+@pytest.mark.parametrize("planted", ["earlier-run", "symlink", "link-after-save"])
+def test_upload_best_sends_only_what_this_run_wrote(
+    tracker, planted, uploads, tmp_path, caplog
+):
+    """best.pth, saved by this run, is uploaded; best_ema.pth is not: left by
+    an earlier run, a planted link to a secret, or this run's file replaced by
+    such a link after the save."""
+    out = tmp_path / "out"
+    out.mkdir()
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"a secret")
+    ema = out / "best_ema.pth"
+    if planted == "earlier-run":
+        ema.write_bytes(b"weights of an earlier run")
+    elif planted == "symlink":
+        ema.symlink_to(secret)
+    cfg = get_cfg()
+    cfg.OUT_DIR = str(out)
+    cfg.LOG.MLFLOW.UPLOAD_BEST = cfg.LOG.WANDB.UPLOAD_BEST = True
+    dump_cfg(cfg)
+    build = {"mlflow": MlflowTracker, "wandb": WandbTracker}[tracker]
+    writer = MetricsWriter(cfg.OUT_DIR, True, [build(cfg)])
+    writer.start({})
+    _best_weights_saved(cfg, writer, "best.pth")
+    if planted == "link-after-save":
+        _best_weights_saved(cfg, writer, "best_ema.pth")
+        os.remove(ema)
+        ema.symlink_to(secret)
+    with caplog.at_level(logging.INFO, logger="distribuuuu"):
+        writer.close("FINISHED")
+    assert sorted(uploads) == ["best.pth", "config.yaml"]
+    assert uploads["best.pth"] == _read(str(out / "best.pth"))
+    assert uploads["config.yaml"] == _read(str(out / "config.yaml"))
+    assert b"a secret" not in uploads.values()
+    said = [r.getMessage() for r in caplog.records if "best_ema.pth" in r.getMessage()]
+    assert len(said) == 1 and "is not uploaded" in said[0]
+    assert [name for name in os.listdir(out) if name.startswith(".")] == []
