@@ -37,6 +37,7 @@ _PLAIN_ERRORS = {
     "DiskFullError",
     "DistributedSetupError",
     "FileNotFoundError",
+    "LoaderTimeoutError",
     "NonFiniteError",
     "PeerLostError",
 }
