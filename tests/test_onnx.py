@@ -298,3 +298,17 @@ def test_predict_refuses_bad_onnx_files(tmp_path: Path, capsys):
     with pytest.raises(SystemExit, match="2"):
         predict.main(["--onnx", str(good), "--cfg", "x.yaml", str(image)])
     assert "--onnx takes no --cfg" in capsys.readouterr().err
+
+
+def test_a_model_is_always_read_as_onnx(tmp_path: Path, capsys):
+    """ONNX Runtime takes bytes whose 4th to 8th read "ORTM" for its own
+    flatbuffer format, so it would run another model than the one checked;
+    it is told to read ONNX.  Here the doc string of a good model says so."""
+    image = tmp_path / "a.png"
+    Image.new("RGB", (7, 5), (200, 100, 0)).save(image)
+    path = tiny_onnx(tmp_path / "m.onnx", GOOD_PROPS)
+    path.write_bytes(b"\x32\x06xxORTM" + path.read_bytes())  # field 6: doc_string
+    assert onnx.load(str(path)).doc_string == "xxORTM"
+    assert predict.main(["--onnx", str(path), "--json", str(image)]) == 0
+    (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [entry["class"] for entry in record["top"]] == ["cat", "dog"]
