@@ -15,9 +15,11 @@ the consolidated fp32 weights (and the EMA): the ``.ds`` folder resumes the
 same layout exactly, and everything else (another world size or ZeRO stage,
 another strategy, inspect, export, predict, ``MODEL.WEIGHTS``) reads the whole
 weights, the optimizer state then starting afresh.  DeepSpeed unpickles its
-files with ``weights_only=False``: before it reads them, pre-flight and the
-choice of the checkpoint to resume walk each one with an allow-list
-unpickler (:mod:`distribuuuu.checkpoint.deepspeed_files`) and refuse the rest.
+files with ``weights_only=False``: pre-flight and the choice of the checkpoint
+to resume refuse a file laid out otherwise than torch.save writes or pickling
+anything but DeepSpeed's state, and DeepSpeed's own loads are then made
+weights-only with its classes allowed
+(:mod:`distribuuuu.checkpoint.deepspeed_files`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from yacs.config import CfgNode
 from distribuuuu import checkpoint as cp
 from distribuuuu import distributed as du
 from distribuuuu import optim
+from distribuuuu.checkpoint.deepspeed_files import weights_only_loads
 from distribuuuu.deepspeed_config import DS_CONFIG_FILE, check_nvme, run_config
 from distribuuuu.precision import autocast, resolve_auto_precision
 from distribuuuu.state import EMA, MODEL, SavedRun, deepspeed_entries
@@ -295,15 +298,19 @@ class DeepSpeedStrategy(Strategy):
         if saved.deepspeed_layout != (self.stage, du.get_world_size()):
             return super().load_weights(model, optimizer, saved, ema)
         # Rank 0 checked the files before choosing this checkpoint (their
-        # checksums, and that they pickle nothing but DeepSpeed's own state).
+        # checksums, layout, and that they pickle nothing but DeepSpeed's own
+        # state); each rank loads them weights-only all the same, since a
+        # file can change after the check and DeepSpeed asks for
+        # weights_only=False.
         directory = cp.deepspeed_folder(saved.path, saved.state)
-        loaded, _ = model.load_checkpoint(
-            directory,
-            tag=cp.DEEPSPEED_TAG,
-            load_module_strict=True,
-            load_optimizer_states=True,
-            load_lr_scheduler_states=False,
-        )
+        with weights_only_loads(directory):
+            loaded, _ = model.load_checkpoint(
+                directory,
+                tag=cp.DEEPSPEED_TAG,
+                load_module_strict=True,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+            )
         if loaded is None:
             raise cp.DamagedCheckpointError(f"{directory}: DeepSpeed did not load it")
         if ema is None or not saved.has_ema:
