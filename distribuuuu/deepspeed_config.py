@@ -5,6 +5,18 @@ Our keys stay the one source of the batch, accumulation, clipping, precision
 and ZeRO settings: the json may add what we have no key for (bucket sizes,
 ``overlap_comm``, ...), and a value in it that says otherwise than one of our
 keys is refused, naming both.  This module never imports DeepSpeed.
+
+The json's top-level sections are allow-listed: those of our generated config
+and a few that tune communication, asynchronous I/O and timing reports, none of
+which names a file.  An allow-list, rather than a refusal of path-valued keys
+outside OUT_DIR, because DeepSpeed's other sections act beyond the engine's
+arithmetic in ways a path check cannot see: the flops profiler and the
+monitors (tensorboard, wandb, csv_monitor, comet) write where their keys say
+or, by default, under the current directory; ``checkpoint`` changes how
+checkpoints are written and read (its universal loading unpickles files by
+itself); autotuning, elasticity and compile change the run itself.  A check of
+paths would have to know every path-valued key of every DeepSpeed version, and
+a new one would slip through; an allow-list refuses what it does not know.
 """
 
 from __future__ import annotations
@@ -19,6 +31,19 @@ from yacs.config import CfgNode
 MAX_JSON_BYTES = 1 << 20
 # Where the merged config is written, beside config.yaml.
 DS_CONFIG_FILE = "ds_config.json"
+# Top-level sections a user's json may bring beside those of our generated
+# config: they tune communication, asynchronous I/O (nvme offload) and the
+# engine's timing reports (in our log), and name no file (the one path among
+# the allowed sections, an offload's nvme_path, is used only by an nvme
+# offload, whose path DIST.DEEPSPEED.NVME_PATH sets and the json may not change).
+_EXTRA_SECTIONS = (
+    "aio",
+    "communication_data_type",
+    "gradient_predivide_factor",
+    "memory_breakdown",
+    "prescale_gradients",
+    "wall_clock_breakdown",
+)
 # Sections our own code drives: a user's json may not bring its own.
 _OURS = {
     "optimizer": "OPTIM.* (our optimizer builder drives DeepSpeed's engine)",
@@ -91,17 +116,32 @@ def _same(ours: Any, theirs: Any) -> bool:
     return ours == theirs  # 1 == 1.0: json writes a clipping of 1 either way
 
 
+def _check_section(key: str, ours: dict) -> None:
+    """ValueError unless a user's json may hold top-level section ``key``
+    beside our generated config ``ours``."""
+    if key in _OURS:
+        raise ValueError(
+            f"DIST.DEEPSPEED.CONFIG: its {key!r} section contradicts "
+            f"{_OURS[key]}; remove it from the json"
+        )
+    if key not in ours and key not in _EXTRA_SECTIONS:
+        allowed = ", ".join(sorted({*ours, *_EXTRA_SECTIONS}))
+        raise ValueError(
+            f"DIST.DEEPSPEED.CONFIG: its {key[:80]!r} section is not passed to "
+            "DeepSpeed (sections such as the profiler's and the monitors' "
+            f"write files of their own); remove it. Allowed: {allowed}"
+        )
+
+
 def merge(ours: dict, theirs: dict, path: str = "") -> dict:
     """``theirs`` merged over ``ours``; ValueError where a value of ``theirs``
-    differs from one ``ours`` sets (the message names both)."""
+    differs from one ``ours`` sets (the message names both), or where it
+    brings a top-level section that is not allowed."""
     merged = dict(ours)
     for key, value in theirs.items():
         where = f"{path}{key}"
-        if not path and key in _OURS:
-            raise ValueError(
-                f"DIST.DEEPSPEED.CONFIG: its {key!r} section contradicts "
-                f"{_OURS[key]}; remove it from the json"
-            )
+        if not path:
+            _check_section(key, ours)
         if key not in ours:
             merged[key] = value
         elif isinstance(ours[key], dict) and isinstance(value, dict):

@@ -293,6 +293,47 @@ def test_user_json_that_is_bad_or_contradicts_our_keys(tmp_path, text, words):
     assert words in line and "DIST.DEEPSPEED.CONFIG" in line
 
 
+# Sections with which DeepSpeed would write files of its own, or change how it
+# reads checkpoints (universal loading unpickles by itself).
+WRITING_SECTIONS = {
+    "flops_profiler": {"enabled": True, "output_file": "/tmp/profile.txt"},
+    "tensorboard": {"enabled": True, "output_path": "/tmp/elsewhere"},
+    "csv_monitor": {"enabled": True, "output_path": "/tmp/elsewhere"},
+    "wandb": {"enabled": True, "project": "x"},
+    "comet": {"enabled": True},
+    "checkpoint": {"load_universal": True},
+    "autotuning": {"enabled": True, "results_dir": "/tmp/elsewhere"},
+}
+
+
+@pytest.mark.parametrize("section", WRITING_SECTIONS)
+def test_a_json_section_beyond_the_engine_is_refused(section):
+    ours = generated_config(_cfg(), world_size=1)
+    with pytest.raises(ValueError) as caught:
+        merge(ours, {section: WRITING_SECTIONS[section]})
+    message = str(caught.value)
+    assert f"its '{section}' section is not passed to DeepSpeed" in message
+    assert "Allowed: aio, bf16, communication_data_type," in message
+    assert "wall_clock_breakdown, zero_allow_untested_optimizer" in message
+
+
+@needs_deepspeed
+def test_a_profiler_json_is_refused_before_anything_is_written(tmp_path):
+    """Exit 2, one line naming the section and those allowed; the file the
+    profiler would overwrite is intact and the monitor's folder not made."""
+    victim, elsewhere = tmp_path / "mine.txt", tmp_path / "elsewhere"
+    victim.write_text("mine\n")
+    config = {
+        "flops_profiler": {"enabled": True, "output_file": str(victim)},
+        "csv_monitor": {"enabled": True, "output_path": str(elsewhere)},
+    }
+    line = _refused(
+        tmp_path, "DIST.DEEPSPEED.CONFIG", _json(tmp_path, json.dumps(config))
+    )
+    assert "'flops_profiler' section" in line and "Allowed: aio," in line
+    assert victim.read_text() == "mine\n" and not elsewhere.exists()
+
+
 def test_missing_deepspeed_is_named_with_its_extra(tmp_path):
     """DeepSpeed made unimportable in a real interpreter running the command."""
     out = str(tmp_path / "out")
