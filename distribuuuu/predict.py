@@ -27,13 +27,17 @@ from distribuuuu.onnx_model import load_session, run_session
 
 
 def find_images(inputs: list[str]) -> list[str]:
-    """The image files named by ``inputs``, folders expanded recursively and sorted."""
+    """The image files named by ``inputs``, folders expanded recursively and
+    sorted; only regular files (a FIFO is never opened, since reading one waits
+    for a writer for ever)."""
     found = []
     for path in inputs:
         if os.path.isdir(path):
             found += sorted(find_image_files(path))
         elif os.path.isfile(path):
             found.append(path)
+        elif os.path.exists(path):
+            raise DataError(f"{path}: not a regular file or a folder")
         else:
             raise DataError(f"{path}: no such file or folder")
     if not found:

@@ -6,17 +6,18 @@
     python tools/predict.py --onnx MODEL.onnx [--topk K] [--json]
         IMAGE_OR_FOLDER ...
 
-Folders are searched recursively for image files (by extension), in sorted
-order; links to folders are followed, but no folder is searched twice (a link
-loop ends at once).  The model, its classes and the evaluation transforms come
-from the cfg saved in W, overridden by --cfg and KEY VALUE (KEY: an upper-case
-config key such as TRAIN.IM_SIZE).  One line per image: ``path  name (prob)
-...``, or one JSON object per line with --json.  Runs on CUDA when available
-(``--device cpu`` forces the CPU).  With --onnx, a model that ``tools/export.py
---onnx`` wrote runs in ONNX Runtime on the CPU, with the classes and
-transforms saved in its metadata.  Exit codes: 0 done; 1 any other failure;
-2 unusable weights, ONNX file, config or image (missing, unreadable, too many
-pixels, none found), or the onnx packages missing; each error is one
+Folders are searched recursively for image files (regular files, by
+extension: a FIFO or a device is skipped), in sorted order; links to folders
+are followed, but no folder is searched twice (a link loop ends at once).  The
+model, its classes and the evaluation transforms come from the cfg saved in W,
+overridden by --cfg and KEY VALUE (KEY: an upper-case config key such as
+TRAIN.IM_SIZE).  One line per image: ``path  name (prob) ...``, or one JSON
+object per line with --json.  Runs on CUDA when available (``--device cpu``
+forces the CPU).  With --onnx, a model that ``tools/export.py --onnx`` wrote
+runs in ONNX Runtime on the CPU, with the classes and transforms saved in its
+metadata.  Exit codes: 0 done; 1 any other failure; 2 unusable weights, ONNX
+file, config or image (missing, not a regular file, unreadable, too many
+pixels or bytes, none found), or the onnx packages missing; each error is one
 ``error:`` line on stderr.
 """
 

@@ -8,6 +8,7 @@ import io
 import logging
 import os
 import re
+import stat
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -160,6 +161,12 @@ def max_image_pixels() -> int | None:
     return Image.MAX_IMAGE_PIXELS
 
 
+# The most bytes an encoded image (a file, or a sample of a shard) may have,
+# for every decoder: far above any photo within the pixel limit, yet bounded,
+# since PIL walks a JPEG's fill bytes one at a time (about 0.6 s per MiB).
+MAX_IMAGE_FILE_BYTES = 64 * 2**20
+
+
 def _open_header(source, path: str) -> Image.Image:
     """PIL's image of ``source`` with only its header read, within the pixel limit."""
     limit = max_image_pixels()
@@ -214,11 +221,13 @@ def _decode_with_torchvision(data: bytes) -> torch.Tensor | None:
 
 
 def decode_image_bytes(
-    data: bytes, name: str, as_tensor: bool
+    data: bytes | bytearray, name: str, as_tensor: bool
 ) -> Image.Image | torch.Tensor:
     """The encoded image ``data`` as RGB: a uint8 tensor (``as_tensor``) or a PIL
     image, as :func:`decode_image_file` and :func:`load_image` read a file; a
-    DataError names ``name`` (the file, or a sample of a shard) when it cannot."""
+    DataError names ``name`` (the file, or a sample of a shard) when it cannot,
+    or when ``data`` is larger than MAX_IMAGE_FILE_BYTES."""
+    _check_file_size(len(data), name)
     try:
         image = _open_header(io.BytesIO(data), name)  # before any pixel is decoded
         if not as_tensor:
@@ -241,19 +250,63 @@ def decode_image_bytes(
 def _read_image(path: str, as_tensor: bool) -> Image.Image | torch.Tensor:
     """The image file at ``path`` as RGB (see :func:`load_image`,
     :func:`decode_image_file`); a DataError names an unreadable one."""
+    return decode_image_bytes(read_image_bytes(path), path, as_tensor)
+
+
+def _open_image_file(path: str) -> io.FileIO:
+    """The file at ``path`` opened for reading, unbuffered; a DataError names
+    it when it is not a regular file (a FIFO, a device, a folder), without
+    blocking."""
+    # A FIFO opened without O_NONBLOCK waits for a writer for ever, and no
+    # signal ends the wait (SIGTERM neither, so neither does a preemption); on
+    # a regular file the flag changes nothing.  O_NOCTTY: a terminal named
+    # *.jpg is not made the process's own.
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    descriptor = os.open(path, flags)
     try:
-        with open(path, "rb") as f:
-            _open_header(f, path)  # the pixel limit before the file is read
-            f.seek(0)
-            data = f.read()
-    except DataError:
+        regular = stat.S_ISREG(os.fstat(descriptor).st_mode)
+    except OSError:
+        os.close(descriptor)
         raise
-    except Exception as error:
-        reason = "not an image format PIL can read"
-        if not isinstance(error, UnidentifiedImageError):
-            reason = f"{type(error).__name__}: {error}"
-        raise DataError(f"cannot read image {path}: {reason}") from error
-    return decode_image_bytes(data, path, as_tensor)
+    if not regular:
+        os.close(descriptor)
+        raise DataError(f"cannot read image {path}: not a regular file")
+    return os.fdopen(descriptor, "rb", buffering=0)
+
+
+def _check_file_size(size: int, name: str) -> None:
+    """Refuse an encoded image of more than MAX_IMAGE_FILE_BYTES (a DataError
+    naming ``name``)."""
+    if size > MAX_IMAGE_FILE_BYTES:
+        raise DataError(
+            f"cannot read image {name}: {size} bytes, more than the limit of "
+            f"{MAX_IMAGE_FILE_BYTES} bytes for one image file "
+            "(MAX_IMAGE_FILE_BYTES in distribuuuu/data/datasets.py)"
+        )
+
+
+def read_image_bytes(path: str) -> bytearray:
+    """The bytes of the image file at ``path`` in one buffer (what the decoders
+    take); a DataError names a file that cannot be read, is not a regular file
+    or is larger than MAX_IMAGE_FILE_BYTES, which is never read whole."""
+    try:
+        with _open_image_file(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            _check_file_size(size, path)
+            data = bytearray(size + 1)  # a byte more: a file grown since fstat
+            view, count = memoryview(data), 0
+            while count <= size and (got := f.readinto(view[count:])):
+                count += got
+            view.release()
+            del data[count:]
+            if count > size:  # grown: read on, up to a byte past the limit
+                data += f.read(MAX_IMAGE_FILE_BYTES + 1 - count)
+    except OSError as error:
+        raise DataError(
+            f"cannot read image {path}: {type(error).__name__}: {error}"
+        ) from error
+    _check_file_size(len(data), path)
+    return data
 
 
 def load_image(path: str) -> Image.Image:
@@ -281,7 +334,9 @@ def decode_image_file(path: str) -> torch.Tensor:
 
 
 def walk_folder(top: str, within: str | None = None) -> Iterator[tuple[str, list[str]]]:
-    """Each folder under ``top``, ``top`` first, with the names of its files.
+    """Each folder under ``top``, ``top`` first, with the names of its regular
+    files (or links to one: a FIFO, a socket, a device or a dangling link is
+    no image, and reading a FIFO would wait for ever).
 
     Depth first, in sorted order.  Links to folders are followed (data sets
     are often linked into place), but a folder is entered once only: a link
@@ -302,12 +357,12 @@ def walk_folder(top: str, within: str | None = None) -> Iterator[tuple[str, list
         folder = todo.pop()
         try:
             with os.scandir(folder) as entries:
-                listed = sorted((entry.name, _is_folder(entry)) for entry in entries)
+                listed = sorted((entry.name, _kind(entry)) for entry in entries)
         except OSError:
             continue
-        yield folder, [name for name, is_folder in listed if not is_folder]
+        yield folder, [name for name, kind in listed if kind == "file"]
         below = []
-        for name in (name for name, is_folder in listed if is_folder):
+        for name in (name for name, kind in listed if kind == "folder"):
             path = os.path.join(folder, name)
             new = _folder_ids([path]) - entered
             entered |= new
@@ -332,6 +387,17 @@ def _folder_ids(paths: list[str]) -> set[tuple[int, int]]:
             stat = os.stat(path)
             found.add((stat.st_dev, stat.st_ino))
     return found
+
+
+def _kind(entry: os.DirEntry) -> str:
+    """The kind of ``entry``, or of what it links to: "folder", "file" (a
+    regular one) or "other" (a FIFO, a device, a dangling link...)."""
+    if _is_folder(entry):
+        return "folder"
+    try:
+        return "file" if entry.is_file() else "other"
+    except OSError:
+        return "other"
 
 
 def _is_folder(entry: os.DirEntry) -> bool:
