@@ -247,6 +247,7 @@ def decode_batch(
         decoded = decode_jpegs([encoded[i] for i in run], device)
         for i, image in zip(run, decoded):
             sample = encoded[i]
+            _check_decoded_size(image, sample)
             image = geometry.apply(image, sample.box, sample.flip)
             images[batch.encoded_places[i]] = image
     if batch.ready is not None:
@@ -256,6 +257,18 @@ def decode_batch(
     if not images:
         return torch.empty((0, 3, *geometry.size), dtype=torch.uint8, device=device)
     return torch.stack(images)
+
+
+def _check_decoded_size(image: torch.Tensor, sample: EncodedSample) -> None:
+    """Refuse an image that the device decoder read at another size than the
+    header the worker drew its crop from and checked the pixel limit on (its
+    own parser, not libjpeg's): a DataError names the file."""
+    height, width = image.shape[-2:]
+    if height * width != sample.pixels:
+        raise DataError(
+            f"cannot read image {sample.path}: decoded as {width} x {height} "
+            f"pixels, where its header gives {sample.pixels} pixels"
+        )
 
 
 class DeviceDecoder(nn.Module):

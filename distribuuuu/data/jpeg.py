@@ -4,13 +4,15 @@ The ``tensor`` decoder opens every file with PIL first, for the pixel limit
 and the errors, then hands the bytes to ``torchvision.io``.  For the common
 case, an 8-bit JPEG of grey or colour pixels, :func:`read_image_fused` reads
 the size from the JPEG's own frame header instead (a few microseconds of
-parsing, against about 70 of PIL's ``Image.open``), reads the file once into
-the buffer the decoder takes, and decodes it with the same libjpeg-turbo call
-as the ``tensor`` decoder: the same pixels.  Everything else (PNG, WebP, CMYK
-JPEGs, 12-bit or lossless JPEGs, a frame header it cannot find, an image over
-the pixel limit, a file the decoder refuses) goes through
-:func:`~distribuuuu.data.datasets.decode_image_file`, so the errors,
-``DATA.SKIP_CORRUPT`` and the pixel limit are those of the ``tensor`` decoder.
+parsing, against about 70 of PIL's ``Image.open``), checks it against the
+size libjpeg-turbo's own header read gives for the same bytes (PIL's where
+there is no libjpeg-turbo 3: :func:`library_size`), and decodes the buffer it
+read the file into with the same libjpeg-turbo call as the ``tensor``
+decoder: the same pixels.  Everything else (PNG, WebP, CMYK JPEGs, 12-bit or
+lossless JPEGs, a frame header it cannot find, a size the library reads
+otherwise, an image over the pixel limit, a file the decoder refuses) goes
+through :func:`~distribuuuu.data.datasets.decode_image_bytes`, so the errors,
+``DATA.SKIP_CORRUPT`` and the limits are those of the ``tensor`` decoder.
 
 For training, :func:`read_or_defer` leaves such a JPEG undecoded
 (:class:`JpegFile`): the crop is drawn from the header's size, and only its
@@ -19,11 +21,13 @@ window is decoded (:mod:`distribuuuu.data.turbo`), with the same pixels.
 
 from __future__ import annotations
 
-import os
+import io
+import re
 import warnings
 from dataclasses import dataclass
 
 import torch
+from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
 from distribuuuu.data import datasets as ds
@@ -41,8 +45,16 @@ _FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 # Baseline, extended and progressive Huffman coding: the frames that
 # libjpeg-turbo (torchvision.io on the CPU) and nvJPEG both decode.
 _PLAIN_FRAMES = (0xC0, 0xC1, 0xC2)
-# Markers without a length: TEM and the restart markers RST0-RST7.
+# Markers without a length, which libjpeg passes over: TEM and the restart
+# markers RST0-RST7.
 _STANDALONE_MARKERS = frozenset([0x01, *range(0xD0, 0xD8)])
+# The other markers libjpeg reads before the first scan, each a segment with
+# a length: DHT, DAC, DQT, DNL, DRI, APP0-APP15 and COM.  It refuses any
+# marker not listed here (JPG, JPGn, DHP, EXP, reserved ones).
+_SEGMENT_MARKERS = frozenset([0xC4, 0xCC, 0xDB, 0xDC, 0xDD, *range(0xE0, 0xF0), 0xFE])
+# SOI, EOI and SOS: libjpeg refuses each before the frame header.
+_NO_FRAME_YET = frozenset([0xD8, 0xD9, 0xDA])
+_FILL_BYTES = re.compile(rb"\xff+")
 
 
 @dataclass(frozen=True)
@@ -67,51 +79,72 @@ class JpegHeader:
         )
 
 
-def jpeg_header(data: bytes) -> JpegHeader | None:
+def jpeg_header(data: bytes | bytearray) -> JpegHeader | None:
     """The frame header of the JPEG file ``data``, read without decoding it;
-    None when ``data`` is not a JPEG with a frame header before its first scan.
+    None when ``data`` is not a JPEG whose frame header libjpeg would find
+    before its first scan.
 
-    Walks the marker segments from the start, each step at least one byte on,
-    and never reads past the end of ``data``: any input ends in one pass.
+    The markers are found as libjpeg's ``next_marker`` finds them: after a
+    segment it passes over any bytes up to the next 0xFF (extraneous data),
+    any run of 0xFF (fill bytes) and any 0xFF 0x00 (stuffed data, not a
+    marker), so a segment hidden behind such bytes is read here as libjpeg
+    reads it.  What follows the frame header (a second one, the scan) is
+    left to the library's own header read (:func:`library_size`).  Each step
+    moves on and nothing is read past the end of ``data``: any input ends in
+    one pass.
     """
     if data[:2] != START_OF_IMAGE:
         return None
-    position, end = 2, len(data)
-    while position + 4 <= end:
-        if data[position] != 0xFF:
-            return None  # not a marker where one must be
-        marker = data[position + 1]
-        if marker == 0xFF:  # fill byte
-            position += 1
-            continue
+    position = 2
+    while True:
+        marker, position = _next_marker(data, position)
         if marker in _STANDALONE_MARKERS:
-            position += 2
             continue
-        length = int.from_bytes(data[position + 2 : position + 4], "big")
-        if marker in (0xD8, 0xD9, 0xDA) or length < 2:
-            return None  # another SOI, the end or a scan before any frame
+        if marker is None or marker in _NO_FRAME_YET or position + 2 > len(data):
+            return None  # cut short, another SOI, the end or a scan first
+        length = int.from_bytes(data[position : position + 2], "big")
+        if length < 2 or position + length > len(data):
+            return None
         if marker in _FRAME_MARKERS:
-            segment = data[position + 4 : position + 2 + length]
-            if len(segment) < 6:
-                return None
-            components = segment[5]
-            header = JpegHeader(
-                height=int.from_bytes(segment[1:3], "big"),
-                width=int.from_bytes(segment[3:5], "big"),
-                components=components,
-                precision=segment[0],
-                marker=marker,
-            )
-            complete = components > 0 and len(segment) >= 6 + 3 * components
-            return header if complete and header.height and header.width else None
-        position += 2 + length
-    return None
+            return _frame_header(marker, data[position + 2 : position + length])
+        if marker not in _SEGMENT_MARKERS:
+            return None  # a marker libjpeg does not know, or JPG
+        position += length
 
 
-# A JPEG file larger than this many bytes per pixel of the pixel limit is not
-# read whole here (raw 8-bit RGB is 3 bytes per pixel): the tensor decoder's
-# path, which reads the header first, takes it.
-_BYTES_PER_PIXEL = 4
+def _next_marker(data: bytes | bytearray, position: int) -> tuple[int | None, int]:
+    """The first marker at or after ``position``, as libjpeg's
+    ``next_marker`` finds it (see :func:`jpeg_header`), and the position
+    after it; None and the end of ``data`` when there is none."""
+    while True:
+        position = data.find(b"\xff", position) + 1
+        if position == 0 or position >= len(data):
+            return None, len(data)
+        if data[position] == 0xFF:  # fill bytes: the last 0xFF counts
+            position = _FILL_BYTES.match(data, position).end()
+            if position >= len(data):
+                return None, len(data)
+        if data[position] != 0x00:  # 0xFF 0x00 is stuffed data: go on
+            return data[position], position + 1
+
+
+def _frame_header(marker: int, segment: bytes | bytearray) -> JpegHeader | None:
+    """The frame header in ``segment`` (after the length), or None where
+    libjpeg refuses it: a zero size, no components, or a length that is not
+    that of the components listed."""
+    if len(segment) < 6:
+        return None
+    header = JpegHeader(
+        height=int.from_bytes(segment[1:3], "big"),
+        width=int.from_bytes(segment[3:5], "big"),
+        components=segment[5],
+        precision=segment[0],
+        marker=marker,
+    )
+    exact = len(segment) == 6 + 3 * header.components
+    if not exact or min(header.height, header.width, header.components) == 0:
+        return None
+    return header
 
 
 def pack_channels(image: torch.Tensor) -> torch.Tensor:
@@ -171,51 +204,59 @@ def _plain(header: JpegHeader | None) -> bool:
     return limit is None or header.width * header.height <= limit
 
 
+def library_size(data: bytearray) -> tuple[int, int] | None:
+    """(height, width) of the JPEG ``data`` as the decoding library reads its
+    header: libjpeg-turbo's own header read where the window decoder has a
+    library (:mod:`distribuuuu.data.turbo`), else PIL's, which the tensor
+    decoder's pixel limit reads; None when it refuses the header."""
+    decoder = turbo.window_decoder()
+    if decoder is not None:
+        return decoder.image_size(data)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            width, height = Image.open(io.BytesIO(data)).size
+    except Exception:  # refused, damaged or a bomb: the tensor decoder decides
+        return None
+    return height, width
+
+
 def jpeg_bytes(data: bytes | bytearray, name: str) -> JpegFile | None:
     """``data`` as a :class:`JpegFile` named ``name`` if it is a plain 8-bit
-    JPEG within the pixel limit; None for anything else."""
+    JPEG within the pixel limit and the file size limit; None for anything
+    else.
+
+    The size parsed here must be the one the library reads from the same
+    bytes (:func:`library_size`), or the file takes the tensor decoder's
+    path: the crop is drawn, and the pixel limit applied, for the size that
+    is decoded.
+    """
+    if len(data) > ds.MAX_IMAGE_FILE_BYTES:
+        return None
     header = jpeg_header(data)
     if not _plain(header):
         return None
-    return JpegFile(name, data if isinstance(data, bytearray) else bytearray(data),
-                    header)  # fmt: skip
-
-
-def read_jpeg(path: str) -> JpegFile | None:
-    """The file at ``path`` as a :class:`JpegFile` if it is a plain 8-bit JPEG
-    within the pixel limit, read in one piece into the buffer the decoders
-    take; None for any other file and for one that cannot be read (the tensor
-    decoder's path names it), without reading more than 4 bytes per pixel of
-    the limit."""
-    limit = ds.max_image_pixels()
-    try:
-        with open(path, "rb") as f:
-            if f.read(2) != START_OF_IMAGE:
-                return None
-            size = os.fstat(f.fileno()).st_size
-            if limit is not None and size > _BYTES_PER_PIXEL * limit:
-                return None
-            data = bytearray(size)
-            data[:2] = START_OF_IMAGE
-            del data[2 + f.readinto(memoryview(data)[2:]) :]
-    except OSError:
+    data = data if isinstance(data, bytearray) else bytearray(data)
+    if library_size(data) != (header.height, header.width):
         return None
-    return jpeg_bytes(data, path)
+    return JpegFile(name, data, header)
 
 
 def read_or_defer(path: str) -> JpegFile | torch.Tensor:
     """The image file at ``path`` as a :class:`JpegFile` to decode later (in
-    the crop window the transform draws), or decoded now by
-    :func:`~distribuuuu.data.datasets.decode_image_file` when it is not a
-    plain 8-bit JPEG: the reader of DATA.DECODER fused training and of
-    DATA.DECODER gpu."""
-    image = read_jpeg(path)
-    return ds.decode_image_file(path) if image is None else image
+    the crop window the transform draws) if it is a plain 8-bit JPEG, or
+    decoded now as :func:`~distribuuuu.data.datasets.decode_image_file`
+    decodes it: the reader of DATA.DECODER fused training and of DATA.DECODER
+    gpu.  The file is read once, into the buffer the decoders take; a
+    DataError names it as the tensor decoder does."""
+    data = ds.read_image_bytes(path)
+    image = jpeg_bytes(data, path)
+    return ds.decode_image_bytes(data, path, as_tensor=True) if image is None else image
 
 
 def read_image_fused(path: str) -> torch.Tensor:
     """Read the image file at ``path`` as an RGB uint8 tensor (3 x H x W):
     the pixels, limit and errors of :func:`~distribuuuu.data.datasets.\
 decode_image_file`, faster for 8-bit JPEGs (see the module doc)."""
-    image = read_jpeg(path)
-    return ds.decode_image_file(path) if image is None else image.decode()
+    image = read_or_defer(path)
+    return image.decode() if isinstance(image, JpegFile) else image

@@ -66,6 +66,9 @@ _MARGIN = 2
 # The largest decoding buffer kept for the next image (a 2364 x 2364 window).
 _REUSED_BYTES = 2**24
 
+# The last marker of a JPEG file (EOI).
+END_OF_IMAGE = b"\xff\xd9"
+
 
 class _Region(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("x", "y", "w", "h")]
@@ -144,15 +147,30 @@ class WindowDecoder:
         self.lib.tj3Destroy(self._local.handle)
         self._local.handle = None
 
+    def image_size(self, data: bytearray) -> tuple[int, int] | None:
+        """(height, width) of the JPEG ``data`` as libjpeg-turbo reads its
+        header; None when it refuses the header or warns."""
+        lib, handle = self.lib, self._handle()
+        source = ctypes.addressof(ctypes.c_char.from_buffer(data))  # no copy
+        if lib.tj3DecompressHeader(handle, source, len(data)) != 0:
+            return self._refused()
+        return lib.tj3Get(handle, _PARAM_HEIGHT), lib.tj3Get(handle, _PARAM_WIDTH)
+
     def decode(
         self, data: bytearray, top: int, left: int, height: int, width: int
     ) -> torch.Tensor | None:
         """The ``height`` x ``width`` window at (``top``, ``left``) of the JPEG
         ``data`` as an RGB uint8 tensor (3 x height x width, a view of a
         packed height x width x 3 buffer); None when libjpeg-turbo refuses the
-        file or warns (damaged data: the caller decodes it the slow way, which
-        decides), for a subsampling not listed, or when the window is not
-        inside the image."""
+        file or warns, or when ``data`` does not end with EOI (damaged data:
+        the caller decodes it the slow way, which decides), for a subsampling
+        not listed, or when the window is not inside the image."""
+        # libjpeg-turbo reads no further than the window's last row, so a
+        # file cut below it would decode without a warning, where the whole
+        # decode refuses it.  A file with bytes after its EOI, which every
+        # decoder takes, is decoded whole too: the same pixels, more work.
+        if not data.endswith(END_OF_IMAGE):
+            return None
         lib, handle = self.lib, self._handle()
         source = ctypes.addressof(ctypes.c_char.from_buffer(data))  # no copy
         if lib.tj3DecompressHeader(handle, source, len(data)) != 0:
