@@ -241,17 +241,27 @@ def test_an_empty_evaluation_batch_has_the_crops_shape(folder):
 
 def test_a_file_damaged_after_its_header_is_named_when_decoded(tmp_path, folder):
     data = _jpeg_bytes(_picture(64, 48, 0, 4))
-    table = data.index(b"\xff\xc4")  # a Huffman table, after the frame header
-    length = int.from_bytes(data[table + 2 : table + 4], "big")
     path = tmp_path / "bad.jpg"
-    path.write_bytes(
-        data[: table + 4] + b"\xff" * (length - 2) + data[table + 2 + length :]
-    )
+    path.write_bytes(data[: data.index(b"\xff\xda") + 200])  # cut in the scan
     encoded = read_or_defer(str(path))
     assert encoded.header.width == 64  # the header passes the worker
     transform = build_dataset(_cfg(folder, "gpu"), train=False).transform
     batch, _ = collate_encoded([(transform(encoded), 0)])
-    with pytest.raises(DataError, match=r"bad\.jpg: .*Huffman"):
+    with pytest.raises(DataError, match=r"bad\.jpg: .*truncated"):
+        decode_batch(batch, CPU)
+
+
+def test_an_image_decoded_at_another_size_than_its_header_is_refused(tmp_path, folder):
+    """The device decoder parses the file again: should it read another size
+    than the one the crop was drawn for (a frame header the worker's parser
+    did not see, 16 x 16 here), a DataError names the file."""
+    path = tmp_path / "other.jpg"
+    path.write_bytes(_jpeg_bytes(_picture(64, 48, 0, 4)))
+    transform = build_dataset(_cfg(folder, "gpu"), train=False).transform
+    sample = transform(read_or_defer(str(path)))
+    sample.pixels = 16 * 16
+    batch, _ = collate_encoded([(sample, 0)])
+    with pytest.raises(DataError, match=r"other\.jpg: decoded as 64 x 48 pixels"):
         decode_batch(batch, CPU)
 
 

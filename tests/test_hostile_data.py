@@ -1,17 +1,23 @@
-"""Hostile data: link loops, decompression bombs and 16-bit images.
+"""Hostile data: link loops, FIFOs, decompression bombs, crafted JPEGs and
+16-bit images.
 
 A link loop in an image folder is walked once (no hang, each image counted
-once), an image with more pixels than the limit is refused from its header by
-both decoders, naming the file, and 16-bit PNGs are scaled to 8 bits.
+once), a FIFO is never listed nor waited on, an image with more pixels than
+the limit (also one whose frame header hides behind stuffed bytes) or a file
+larger than the size limit is refused before decoding by every decoder,
+naming the file, and 16-bit PNGs are scaled to 8 bits.
 """
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
 import os
 import re
 import struct
 import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -31,7 +37,17 @@ from test_hostile import (
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from distribuuuu.config import load_cfg
-from distribuuuu.data import DataError, build_dataset, check_data, image_reader
+from distribuuuu.data import (
+    DataError,
+    SeededDataset,
+    build_dataset,
+    check_data,
+    image_reader,
+    turbo,
+)
+from distribuuuu.data import datasets as ds
+from distribuuuu.data.jpeg import JpegFile, jpeg_bytes, jpeg_header, read_or_defer
+from distribuuuu.predict import find_images
 from distribuuuu.tools import predict
 
 __all__ = ["out_dir", "trained_out_dir"]  # fixtures, from test_hostile
@@ -169,6 +185,64 @@ def test_two_self_links_do_not_hang_predict(two_self_links, trained_out_dir):
 
 
 # --------------------------------------------------------------------------- #
+# FIFOs
+# --------------------------------------------------------------------------- #
+
+
+def refused_at_once(read, path: Path) -> str:
+    """The DataError message of ``read(path)``, run in a thread; a read that
+    waits on the FIFO ``path`` for a writer fails the test (the FIFO is then
+    opened for writing, which ends the wait)."""
+    outcome = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(f"returned {read(str(path))!r}")
+        except Exception as error:
+            outcome.append(str(error))
+
+    thread = threading.Thread(target=attempt, daemon=True)
+    thread.start()
+    thread.join(2)
+    if thread.is_alive():
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(2)
+        pytest.fail(f"{read} waited on the FIFO {path}")
+    return outcome[0]
+
+
+def test_a_fifo_named_like_an_image_is_never_listed_nor_waited_on(tmp_path):
+    """Listing (data set, class folders, pre-flight count, predict) skips a
+    FIFO; one swapped in after the listing is refused at once by every
+    reader, naming the file: nothing waits for a writer, for ever."""
+    root = make_image_folder(tmp_path / "data", CLASSES, PER_CLASS)
+    split, fifo = root / "train", root / "train" / "c00" / "pipe.jpg"
+    os.mkfifo(fifo)
+    lonely = split / "c02"
+    lonely.mkdir()
+    os.mkfifo(lonely / "pipe.png")  # a class folder with no image but a FIFO
+    with pytest.raises(DataError, match=re.escape(f"empty class folder {lonely}")):
+        ds.find_image_classes(str(split), "TRAIN.DATASET")
+    os.rename(lonely / "pipe.png", split / "c01" / "pipe.png")
+    lonely.rmdir()
+    images = CLASSES * PER_CLASS
+    assert ds.count_images(str(split), 100) == images
+    listed = ds.find_image_files(str(split))
+    assert len(listed) == images and not any("pipe" in path for path in listed)
+    assert find_images([str(split)]) == sorted(listed)
+    with pytest.raises(DataError, match=re.escape(f"{fifo}: not a regular file")):
+        find_images([str(fifo)])
+    cfg = folder_cfg(root, "MODEL.NUM_CLASSES", str(CLASSES))
+    assert [path for path, _ in build_dataset(cfg, train=True).samples] == listed
+    readers = [read_or_defer, ds.read_image_bytes]
+    readers += [image_reader(load_cfg(None, ["DATA.DECODER", decoder]))
+                for decoder in ("fused", "tensor", "pil")]  # fmt: skip
+    for read in readers:
+        message = refused_at_once(read, fifo)
+        assert message == f"cannot read image {fifo}: not a regular file", read
+
+
+# --------------------------------------------------------------------------- #
 # Decompression bombs
 # --------------------------------------------------------------------------- #
 
@@ -231,15 +305,139 @@ def test_skip_corrupt_skips_a_decompression_bomb(bombs, tmp_path):
     assert torch.equal(image, dataset[2][0]) and label == 0
 
 
-def test_predict_refuses_a_decompression_bomb(bombs, trained_out_dir, capsys):
+def test_predict_refuses_a_decompression_bomb(
+    bombs, hidden_frame, trained_out_dir, capsys
+):
     weights = str(trained_out_dir / "best.pth")
-    for decoder in ("fused", "tensor", "pil"):
+    for decoder, bomb in itertools.product(("fused", "tensor", "pil"),
+                                           (bombs[0], hidden_frame)):  # fmt: skip
         argv = ["--weights", weights, "--device", "cpu", "DATA.DECODER", decoder]
-        assert predict.main([*argv, str(bombs[0])]) == 2
+        assert predict.main([*argv, str(bomb)]) == 2
         captured = capsys.readouterr()
         lines = captured.err.strip().splitlines()
         assert len(lines) == 1 and captured.out == ""
-        assert lines[0].startswith(f"error: cannot read image {bombs[0]}: ")
+        assert lines[0].startswith(f"error: cannot read image {bomb}: ")
+
+
+# --------------------------------------------------------------------------- #
+# Crafted JPEGs and oversized files
+# --------------------------------------------------------------------------- #
+
+
+def hidden_frame_jpeg(height: int, width: int) -> bytes:
+    """A 16 x 16 JPEG whose frame header says ``height`` x ``width``, hidden
+    from a parser that reads 0xFF 0x00 as a marker with a length: such a
+    parser skips it and finds a decoy 16 x 16 frame header after it, which
+    libjpeg and PIL (which skip 0xFF 0x00 as stuffed data) read inside an
+    APP1 segment."""
+    pixels = np.random.default_rng(3).integers(0, 256, (16, 16, 3), np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=90)
+    data = out.getvalue()
+    start = data.index(b"\xff\xc0")
+    end = start + 2 + int.from_bytes(data[start + 2 : start + 4], "big")
+    decoy = data[start:end]
+    real = decoy[:5] + struct.pack(">HH", height, width) + decoy[9:]
+    hidden = real + b"\xff\xe1" + struct.pack(">H", 2 + len(decoy))
+    stuffed = b"\xff\x00" + struct.pack(">H", 2 + len(hidden)) + hidden
+    return data[:start] + stuffed + decoy + data[end:]
+
+
+@pytest.fixture(scope="module")
+def hidden_frame(tmp_path_factory) -> Path:
+    """881 bytes that libjpeg decodes as 12000 x 12000 (1.1 GB of pixels)."""
+    path = tmp_path_factory.mktemp("crafted") / "hidden.jpg"
+    path.write_bytes(hidden_frame_jpeg(12000, 12000))
+    return path
+
+
+def every_reader() -> list:
+    """The readers of image files: DATA.DECODER fused, tensor and pil
+    (training, evaluation and predict), and the reader of the fused training
+    crop windows and of DATA.DECODER gpu's workers."""
+    readers = [image_reader(load_cfg(None, ["DATA.DECODER", decoder]))
+               for decoder in ("fused", "tensor", "pil")]  # fmt: skip
+    return [*readers, read_or_defer]
+
+
+def assert_refused_by_every_decoder(path: Path, words: str) -> None:
+    """Each of :func:`every_reader` refuses the file at ``path``, and so does
+    the decoder of a shard sample of its bytes, with a DataError holding
+    ``words``."""
+    for read in every_reader():
+        with pytest.raises(DataError, match=re.escape(words)):
+            read(str(path))
+    data = path.read_bytes()
+    assert jpeg_bytes(data, str(path)) is None
+    with pytest.raises(DataError, match=re.escape(words)):
+        ds.decode_image_bytes(data, str(path), as_tensor=True)
+
+
+def test_a_frame_header_hidden_behind_stuffed_bytes_is_refused(hidden_frame):
+    """The size is the one libjpeg decodes, so the pixel limit refuses the
+    file from its header in every decoder, a shard sample too."""
+    header = jpeg_header(hidden_frame.read_bytes())
+    assert (header.height, header.width) == (12000, 12000)
+    words = f"cannot read image {hidden_frame}: 12000 x 12000 pixels, more than"
+    assert_refused_by_every_decoder(hidden_frame, words)
+
+
+def test_crops_are_drawn_for_the_size_decoded(tmp_path, monkeypatch):
+    """A frame header hidden behind stuffed bytes below the pixel limit, and
+    fill bytes before every marker: the fused decoder's crops, with and
+    without libjpeg-turbo, are the tensor decoder's for the same seeds, and
+    the gpu decoder's workers draw for the size decoded."""
+    root = tmp_path / "data"
+    (root / "train" / "c00").mkdir(parents=True)
+    (root / "train" / "c01").mkdir()
+    hidden = root / "train" / "c00" / "hidden.jpg"
+    hidden.write_bytes(hidden_frame_jpeg(96, 80))
+    filled = root / "train" / "c01" / "filled.jpg"
+    Image.fromarray(sixteen_bit_picture().astype(np.uint8)).save(filled, quality=90)
+    data = filled.read_bytes()
+    for marker in (b"\xdb", b"\xc0", b"\xc4", b"\xda"):  # before the scan
+        data = data.replace(b"\xff" + marker, b"\xff\xff\xff" + marker)
+    filled.write_bytes(data)
+    assert isinstance(read_or_defer(str(filled)), JpegFile)  # the fused path
+    for path, size in ((hidden, (96, 80)), (filled, (48, 64))):
+        image = read_or_defer(str(path))  # what the gpu decoder's workers read
+        header = image.header if isinstance(image, JpegFile) else None
+        assert ((header.height, header.width) if header else image.shape[1:]) == size
+    words = ("TEST.SPLIT", "train", "DATA.DECODER")
+    reference = build_dataset(folder_cfg(root, *words, "tensor"), train=True)
+    tensor, cfg = SeededDataset(reference), folder_cfg(root, *words, "fused")
+    for library in (turbo.window_decoder(), None):
+        monkeypatch.setattr(turbo, "_decoder", library)
+        monkeypatch.setattr(turbo, "_searched", True)
+        fused = SeededDataset(build_dataset(cfg, train=True))
+        for index, seed in itertools.product((0, 1), range(6)):
+            image, expected = fused[(index, seed)][0], tensor[(index, seed)][0]
+            assert torch.equal(image, expected), (index, seed, library)
+
+
+def test_an_image_file_over_the_size_limit_is_refused_unread(tmp_path, monkeypatch):
+    """A JPEG padded with fill bytes (PIL walks them at about 0.6 s per MiB)
+    past MAX_IMAGE_FILE_BYTES is refused by every decoder, naming the file
+    and the limit; a sparse 1 GiB file is refused without being read."""
+    out = io.BytesIO()
+    Image.new("RGB", (16, 16), (10, 200, 30)).save(out, "JPEG")
+    data = out.getvalue()
+    padded = data[:2] + b"\xff" * 5000 + data[2:]  # fill bytes: a valid JPEG
+    path = tmp_path / "padded.jpg"
+    path.write_bytes(padded)
+    monkeypatch.setattr(ds, "MAX_IMAGE_FILE_BYTES", 4096)
+    words = f"cannot read image {path}: {len(padded)} bytes, more than the limit "
+    words += "of 4096 bytes for one image file (MAX_IMAGE_FILE_BYTES"
+    assert_refused_by_every_decoder(path, words)
+    monkeypatch.undo()
+    huge = tmp_path / "huge.jpg"
+    with open(huge, "wb") as f:
+        f.write(data)
+        f.truncate(2**30)  # a sparse file: no disk is used
+    words = f"cannot read image {huge}: {2**30} bytes, more than the limit"
+    for read in every_reader():
+        with pytest.raises(DataError, match=re.escape(words)):
+            read(str(huge))
 
 
 # --------------------------------------------------------------------------- #

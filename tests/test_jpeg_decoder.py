@@ -24,6 +24,7 @@ from distribuuuu.data import (
     build_dataset,
     describe_decoder,
     image_reader,
+    jpeg,
     turbo,
 )
 from distribuuuu.data import datasets as ds
@@ -90,11 +91,17 @@ def test_fused_crops_are_the_tensor_decoders_bit_for_bit(folder, monkeypatch):
     reference_val = build_dataset(_cfg(folder, "tensor"), train=False)
     slow = []
 
-    def counted(path: str) -> torch.Tensor:
-        slow.append(path.rsplit("/", 1)[1])
-        return decode_image_file(path)
+    class CountedSlowPath:
+        """datasets as jpeg.py sees it, counting the files it decodes."""
 
-    monkeypatch.setattr(ds, "decode_image_file", counted)
+        def __getattr__(self, name: str):
+            return getattr(ds, name)
+
+        def decode_image_bytes(self, data, name: str, as_tensor: bool):
+            slow.append(name.rsplit("/", 1)[1])
+            return ds.decode_image_bytes(data, name, as_tensor)
+
+    monkeypatch.setattr(jpeg, "ds", CountedSlowPath())
     fused = SeededDataset(build_dataset(_cfg(folder, "fused"), train=True))
     fused_val = build_dataset(_cfg(folder, "fused"), train=False)
     crops = []
@@ -144,6 +151,27 @@ def test_jpeg_header_reads_the_size_and_refuses_damaged_headers():
     png = io.BytesIO()
     Image.new("RGB", (4, 4)).save(png, "PNG")
     assert jpeg_frame(png.getvalue()) is None
+
+
+def test_markers_are_found_as_libjpeg_finds_them():
+    """Before a marker libjpeg passes over extraneous bytes, fill bytes and
+    stuffed 0xFF 0x00 (not a marker with a length), and TEM and RSTn (no
+    length); it refuses a marker it does not know."""
+    out = io.BytesIO()
+    Image.fromarray(_pixels(45, 33, 0)).save(out, "JPEG", quality=90)
+    data = out.getvalue()
+    frame = data.index(b"\xff\xc0")
+
+    def size(before_frame: bytes) -> tuple[int, int] | None:
+        header = jpeg_header(data[:frame] + before_frame + data[frame:])
+        return None if header is None else (header.height, header.width)
+
+    for passed in (b"junk", b"\xff\x00\x00\x10", b"\xff\xff\xff", b"\xff\x01",
+                   b"\xff\xd3", b"\xff\x00\xff\x00"):  # fmt: skip
+        assert size(passed) == (33, 45), passed
+    for refused in (b"\xff\x02\x00\x04ab", b"\xff\xc8\x00\x04ab", b"\xff\xf0\x00\x02",
+                    b"\xff\xd9", b"\xff\xd8"):  # fmt: skip
+        assert size(refused) is None, refused
 
 
 def _error(read, path) -> str:
@@ -280,6 +308,26 @@ def test_whole_images_are_decoded_without_a_window_library(
     assert described.startswith("fused (whole JPEGs") and turbo.ENVIRONMENT in described
 
 
+def test_a_truncated_jpeg_is_refused_whatever_the_window(tmp_path):
+    """A JPEG cut in its scan: the crop window above the cut (which
+    libjpeg-turbo decodes without reading on) is refused as the tensor, pil
+    and fused decoders refuse the file; bytes after the end marker are no
+    damage, and the window gives the tensor decoder's pixels."""
+    data = _encoded(160, 120, "RGB", {"quality": 90})
+    cut, trailing = tmp_path / "cut.jpg", tmp_path / "trailing.jpg"
+    cut.write_bytes(data[: len(data) * 2 // 3])
+    trailing.write_bytes(data + bytes(64))
+    message = _error(decode_image_file, cut)
+    assert message == _error(ds.load_image, cut) == _error(read_image_fused, cut)
+    deferred = read_or_defer(str(cut))
+    assert isinstance(deferred, JpegFile)  # the header passes
+    with pytest.raises(DataError) as refused:
+        deferred.window(0, 0, 8, 8)
+    assert str(refused.value) == message
+    expected = decode_image_file(str(trailing))[:, :8, :8]
+    assert torch.equal(read_or_defer(str(trailing)).window(0, 0, 8, 8), expected)
+
+
 def test_damaged_jpegs_fail_in_the_window_as_in_the_tensor_decoder(tmp_path):
     """A file whose header reads but whose data is damaged: the window path
     gives the tensor decoder's pixels or its error, naming the file."""
@@ -294,19 +342,27 @@ def test_damaged_jpegs_fail_in_the_window_as_in_the_tensor_decoder(tmp_path):
         "cut_scan.jpg": data[: scan + 200],
         "noise_scan.jpg": data[: scan + 20] + bytes(range(256)) * 2 + b"\xff\xd9",
     }
+
+    def window(path) -> torch.Tensor:
+        deferred = read_or_defer(str(path))
+        # The header passes, but for the Huffman table, which libjpeg-turbo's
+        # own header read refuses: decoded at once, by the tensor decoder.
+        assert isinstance(deferred, JpegFile) == (path.name != "huffman.jpg")
+        if isinstance(deferred, JpegFile):
+            return deferred.window(5, 6, 40, 44)
+        return deferred[:, 5:45, 6:50]
+
     for name, content in damaged.items():
         path = tmp_path / name
         path.write_bytes(content)
-        deferred = read_or_defer(str(path))
-        assert isinstance(deferred, JpegFile), name  # the header passes
         try:
             expected = decode_image_file(str(path))[:, 5:45, 6:50]
         except DataError as error:
             with pytest.raises(DataError) as raised:
-                deferred.window(5, 6, 40, 44)
+                window(path)
             assert str(raised.value) == str(error) and str(path) in str(error)
         else:
-            assert torch.equal(deferred.window(5, 6, 40, 44), expected), name
+            assert torch.equal(window(path), expected), name
     decoder = turbo.window_decoder()
     if decoder is not None:  # a refused file leaves the next one decodable
         assert decoder.decode(bytearray(damaged["huffman.jpg"]), 0, 0, 8, 8) is None
