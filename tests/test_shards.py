@@ -130,12 +130,17 @@ def _number(data: bytes, name: str) -> torch.Tensor:
     return torch.tensor([int(name.rsplit(":", 1)[1].split(".")[0])])
 
 
+def _same(image):
+    # A function of the module, not a lambda: the workers unpickle it.
+    return image
+
+
 def _numbered(digits, rank: int, world: int, workers: int, batch: int, value=_number):
     """The training loader of a rank whose images are the sample numbers (or
     ``value(data, name)``)."""
     cfg = load_cfg(None, [*RECIPE, *shard_keys(digits)])
     shards = open_shards(digits["train"], "TRAIN.DATASET")
-    images = ShardedImages(shards, ShardDecoder(shards, lambda x: x, value, False))
+    images = ShardedImages(shards, ShardDecoder(shards, _same, value, False))
     cfg.defrost()
     cfg.TRAIN.WORKERS = workers
     return build_train_loader(cfg, images, rank, world, 7, CPU, batch)
@@ -164,11 +169,12 @@ def test_training_ranks_read_disjoint_shards_and_take_equal_steps(digits):
     assert {len(first[0]), len(first[1])} == {225}
 
 
-def test_the_loader_keeps_its_workers_from_epoch_to_epoch(digits):
-    def reader(data: bytes, name: str) -> torch.Tensor:
-        return torch.tensor([os.getpid()])
+def _pid(data: bytes, name: str) -> torch.Tensor:
+    return torch.tensor([os.getpid()])
 
-    loader = _numbered(digits, 0, 1, 2, 50, reader)
+
+def test_the_loader_keeps_its_workers_from_epoch_to_epoch(digits):
+    loader = _numbered(digits, 0, 1, 2, 50, _pid)
     pids = [set(sum(_epoch(loader, epoch), [])) for epoch in range(3)]
     assert len(pids[0]) == 2 and os.getpid() not in pids[0]
     assert pids[0] == pids[1] == pids[2]
