@@ -127,6 +127,22 @@ def test_packed_samples_give_the_paths_and_labels_back_and_pickle_small():
     assert list(pickle.loads(pickle.dumps(packed))) == samples
 
 
+def test_an_image_folder_travels_to_its_workers_in_shared_memory(tmp_path):
+    from multiprocessing.reduction import ForkingPickler
+
+    from distribuuuu.data.datasets import CheckedImageFolder
+
+    for index in range(400):
+        folder = tmp_path / f"class {index % 2}"
+        folder.mkdir(exist_ok=True)
+        (folder / f"a rather long file name of image {index:05d}.jpg").touch()
+    dataset = CheckedImageFolder(str(tmp_path), None, "TRAIN.DATASET")
+    assert len(dataset) == 400 and dataset.samples[-1][1] == 1
+    # 400 paths of some 80 characters: 32 kB as a list, a few hundred bytes
+    # of file descriptors and sizes as shared tensors.
+    assert len(bytes(ForkingPickler.dumps(dataset))) < 4000
+
+
 def _start_rank(rank: int, port: int, out_dir: str, opts: list[str]):
     import subprocess
 

@@ -20,6 +20,8 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 from torchvision.transforms.v2.functional import pil_to_tensor
 
+from distribuuuu.data.packed import PackedSamples
+
 try:  # torchvision 0.29 deprecates its image decoders in favour of TorchCodec
     from torchvision.io import ImageReadMode, decode_image
 except ImportError:  # gone in a later torchvision: every file goes through PIL
@@ -493,6 +495,10 @@ class CheckedImageFolder(ImageFolder):
     ):
         self.key = key
         super().__init__(root, transform, loader=loader)
+        # Pickled into every loader worker: one shared copy, sent as a few
+        # file descriptors, instead of a list of every path for each worker.
+        self.samples = self.imgs = PackedSamples(self.samples)
+        self.targets = self.samples.labels
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         """Class names and their labels; every class folder holds an image."""
