@@ -157,7 +157,7 @@ def write_and_compare(
 
 def export_weights(
     weights: str,
-    out: str,
+    out: str | None,
     torchscript: str | None = None,
     torch_export: str | None = None,
     cfg_file: str | None = None,
@@ -170,12 +170,12 @@ def export_weights(
 
     Args:
         weights: the checkpoint or weights file to export.
-        out: the plain state_dict to write.
-        torchscript: also write a traced TorchScript file there.
-        torch_export: also write a torch.export program (.pt2) there.
+        out: write the plain state_dict there.
+        torchscript: write a traced TorchScript file there.
+        torch_export: write a torch.export program (.pt2) there.
         cfg_file, opts: a yaml file and KEY VALUE pairs overriding the cfg that
             ``weights`` carries.
-        onnx: also write an ONNX model there, checked with ONNX Runtime within
+        onnx: write an ONNX model there, checked with ONNX Runtime within
             ``onnx_atol``.
 
     Raises MismatchError at the first artefact whose outputs differ; an

@@ -231,6 +231,13 @@ def test_export_fails_when_outputs_differ(trained: Path, tmp_path, capsys, monke
     assert "TorchScript" in line and "differ" in line and "1e-05" in line
 
 
+def test_export_asks_for_an_output(trained: Path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        export_tool.main(["--weights", str(trained / "best.pth")])
+    assert stopped.value.code == 2
+    assert "give at least one output" in capsys.readouterr().err
+
+
 def test_export_rejects_bad_input(trained: Path, tmp_path: Path, capsys):
     out = tmp_path / "w.pth"
     missing = ["--weights", str(tmp_path / "nope.pth"), "--out", str(out)]
@@ -345,17 +352,18 @@ def onnx_export(trained: Path, tmp_path_factory) -> tuple[Path, str]:
     skip_without_onnx()
     folder = tmp_path_factory.mktemp("onnx")
     path = folder / "r8.onnx"
-    argv = ["--weights", str(trained / "best.pth"), "--out", str(folder / "r8.pth")]
+    argv = ["--weights", str(trained / "best.pth"), "--onnx", str(path)]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert export_tool.main([*argv, "--onnx", str(path)]) == 0
+        assert export_tool.main(argv) == 0
+    assert os.listdir(folder) == ["r8.onnx"]  # no --out: the ONNX file only
     return path, printed.getvalue()
 
 
 @pytest.mark.slow
 def test_onnx_export_is_checked_on_validation_digits(onnx_export):
     path, printed = onnx_export
-    assert len(printed.splitlines()) == 2  # the state_dict's line, then ONNX's
+    assert len(printed.splitlines()) == 1  # ONNX's line: no --out, no state_dict
     found = re.search(
         rf"^wrote {re.escape(str(path))} \(ONNX\); max abs difference (\S+) on 64 "
         r"validation images of mnist5k in batches of 32, 31, 1; top-1 agreement "

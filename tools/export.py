@@ -2,7 +2,7 @@
 """Export trained weights: a plain state_dict, TorchScript, a torch.export
 program, an ONNX model.
 
-    python tools/export.py --weights W --out FILE [--torchscript FILE]
+    python tools/export.py --weights W [--out FILE] [--torchscript FILE]
         [--torch-export FILE] [--onnx FILE [--atol A]] [--cfg C] [KEY VALUE ...]
 
 The architecture, NUM_CLASSES and TRAIN.IM_SIZE come from the cfg saved in W,
@@ -12,8 +12,9 @@ its outputs must match the eager model within 1e-5.  The ONNX model (torch's
 dynamo-based exporter, dynamic batch size; class names and input pipeline in
 its metadata) is run by ONNX Runtime on the CPU on 64 validation images of
 the run's data set in batches of 32, 31 and 1; its logits must match within
---atol (1e-4).  An output must be a new path or a regular file, not a link,
-a device (/dev/null), an input or another output.  Exit codes: 0 done; 1 an
+--atol (1e-4).  At least one output is given; an output must be a new path
+or a regular file, not a link, a device (/dev/null), an input or another
+output.  Exit codes: 0 done; 1 an
 export failed or its outputs differ; 2 unusable weights or config, an output
 path refused, an operator ONNX export does not support, or the onnx packages
 missing; each error is one ``error:`` line on stderr.
@@ -37,17 +38,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "optionally, TorchScript, torch.export and ONNX files.",
     )
     parser.add_argument("--weights", required=True, help="checkpoint or weights file")
-    parser.add_argument("--out", required=True, help="the state_dict file to write")
-    parser.add_argument("--torchscript", metavar="FILE", help="also write TorchScript")
+    parser.add_argument("--out", metavar="FILE", help="write a plain state_dict")
+    parser.add_argument("--torchscript", metavar="FILE", help="write TorchScript")
     parser.add_argument(
         "--torch-export",
         metavar="FILE",
-        help="also write a torch.export program (.pt2) with a dynamic batch size",
+        help="write a torch.export program (.pt2) with a dynamic batch size",
     )
     parser.add_argument(
         "--onnx",
         metavar="FILE",
-        help="also write an ONNX model (dynamic batch size), checked with "
+        help="write an ONNX model (dynamic batch size), checked with "
         "ONNX Runtime on validation images",
     )
     parser.add_argument(
@@ -62,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides"
     )
     args = parser.parse_args(argv)
+    if not (args.out or args.torchscript or args.torch_export or args.onnx):
+        parser.error("give at least one output: --out, --torchscript, "
+                     "--torch-export or --onnx")  # fmt: skip
     if args.atol is None:
         args.atol = onnx_model.ATOL
     elif not args.onnx:
