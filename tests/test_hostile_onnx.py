@@ -15,7 +15,7 @@ import pytest
 from helpers import error_line
 from PIL import Image
 
-from distribuuuu import onnx_model
+from distribuuuu import onnx_checks
 from distribuuuu.tools import predict
 
 onnx = pytest.importorskip("onnx")
@@ -220,7 +220,7 @@ def test_unbounded_graphs_are_refused(refuse, words):
 
 def test_graphs_within_the_bounds_pass_the_check():
     for model in (nested_ifs(16), multiplying_functions(5, 10)):  # 21,114 nodes
-        assert onnx_model.check_model_bytes(serialize(model), "m.onnx") == {}
+        assert onnx_checks.check_model_bytes(serialize(model), "m.onnx") == {}
 
 
 def test_protobuf_is_bounded_before_it_is_parsed(refuse, monkeypatch):
@@ -231,7 +231,7 @@ def test_protobuf_is_bounded_before_it_is_parsed(refuse, monkeypatch):
         raise AssertionError("the file was parsed")
 
     monkeypatch.setattr(onnx, "load_model_from_string", never_parsed)
-    monkeypatch.setattr(onnx_model, "_MAX_WIRE_VALUES", 1_000)
+    monkeypatch.setattr(onnx_checks, "_MAX_WIRE_VALUES", 1_000)
     identities = [helper.make_node("Identity", ["w"], ["w"]) for _ in range(400)]
     line = refuse(classifier([constant(), *identities]))
     assert "refused: it holds over 1,000 protobuf fields" in line
