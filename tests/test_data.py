@@ -259,7 +259,7 @@ def test_predict_pipeline_gives_the_evaluation_input(tmp_path, decoder):
 
 
 def test_tensor_decoder_reads_other_formats_and_names_a_damaged_file(tmp_path):
-    from distribuuuu.data.datasets import DataError, decode_image_file, load_image
+    from distribuuuu.data.image_files import DataError, decode_image_file, load_image
 
     image = Image.new("RGB", (30, 20), (200, 30, 90))
     image.putpixel((3, 4), (0, 255, 0))

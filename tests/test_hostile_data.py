@@ -42,6 +42,7 @@ from distribuuuu.data import (
     SeededDataset,
     build_dataset,
     check_data,
+    image_files,
     image_reader,
     turbo,
 )
@@ -234,7 +235,7 @@ def test_a_fifo_named_like_an_image_is_never_listed_nor_waited_on(tmp_path):
         find_images([str(fifo)])
     cfg = folder_cfg(root, "MODEL.NUM_CLASSES", str(CLASSES))
     assert [path for path, _ in build_dataset(cfg, train=True).samples] == listed
-    readers = [read_or_defer, ds.read_image_bytes]
+    readers = [read_or_defer, image_files.read_image_bytes]
     readers += [image_reader(load_cfg(None, ["DATA.DECODER", decoder]))
                 for decoder in ("fused", "tensor", "pil")]  # fmt: skip
     for read in readers:
@@ -274,7 +275,7 @@ def test_a_decompression_bomb_is_refused_before_decoding(bombs):
     (the 20000 x 20000 image would take 1.2 GB as a tensor)."""
     script = f"""
 import json, resource, sys
-from distribuuuu.data.datasets import DataError, decode_image_file, load_image
+from distribuuuu.data.image_files import DataError, decode_image_file, load_image
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 before, errors = peak(), []
 for read in (decode_image_file, load_image):
@@ -370,7 +371,7 @@ def assert_refused_by_every_decoder(path: Path, words: str) -> None:
     data = path.read_bytes()
     assert jpeg_bytes(data, str(path)) is None
     with pytest.raises(DataError, match=re.escape(words)):
-        ds.decode_image_bytes(data, str(path), as_tensor=True)
+        image_files.decode_image_bytes(data, str(path), as_tensor=True)
 
 
 def test_a_frame_header_hidden_behind_stuffed_bytes_is_refused(hidden_frame):
@@ -425,7 +426,7 @@ def test_an_image_file_over_the_size_limit_is_refused_unread(tmp_path, monkeypat
     padded = data[:2] + b"\xff" * 5000 + data[2:]  # fill bytes: a valid JPEG
     path = tmp_path / "padded.jpg"
     path.write_bytes(padded)
-    monkeypatch.setattr(ds, "MAX_IMAGE_FILE_BYTES", 4096)
+    monkeypatch.setattr(image_files, "MAX_IMAGE_FILE_BYTES", 4096)
     words = f"cannot read image {path}: {len(padded)} bytes, more than the limit "
     words += "of 4096 bytes for one image file (MAX_IMAGE_FILE_BYTES"
     assert_refused_by_every_decoder(path, words)

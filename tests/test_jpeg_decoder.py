@@ -23,12 +23,12 @@ from distribuuuu.data import (
     SeededDataset,
     build_dataset,
     describe_decoder,
+    image_files,
     image_reader,
     jpeg,
     turbo,
 )
-from distribuuuu.data import datasets as ds
-from distribuuuu.data.datasets import DataError, decode_image_file
+from distribuuuu.data.image_files import DataError, decode_image_file, load_image
 from distribuuuu.data.jpeg import (
     JpegFile,
     jpeg_bytes,
@@ -92,16 +92,16 @@ def test_fused_crops_are_the_tensor_decoders_bit_for_bit(folder, monkeypatch):
     slow = []
 
     class CountedSlowPath:
-        """datasets as jpeg.py sees it, counting the files it decodes."""
+        """image_files as jpeg.py sees it, counting the files it decodes."""
 
         def __getattr__(self, name: str):
-            return getattr(ds, name)
+            return getattr(image_files, name)
 
         def decode_image_bytes(self, data, name: str, as_tensor: bool):
             slow.append(name.rsplit("/", 1)[1])
-            return ds.decode_image_bytes(data, name, as_tensor)
+            return image_files.decode_image_bytes(data, name, as_tensor)
 
-    monkeypatch.setattr(jpeg, "ds", CountedSlowPath())
+    monkeypatch.setattr(jpeg, "image_files", CountedSlowPath())
     fused = SeededDataset(build_dataset(_cfg(folder, "fused"), train=True))
     fused_val = build_dataset(_cfg(folder, "fused"), train=False)
     crops = []
@@ -318,7 +318,7 @@ def test_a_truncated_jpeg_is_refused_whatever_the_window(tmp_path):
     cut.write_bytes(data[: len(data) * 2 // 3])
     trailing.write_bytes(data + bytes(64))
     message = _error(decode_image_file, cut)
-    assert message == _error(ds.load_image, cut) == _error(read_image_fused, cut)
+    assert message == _error(load_image, cut) == _error(read_image_fused, cut)
     deferred = read_or_defer(str(cut))
     assert isinstance(deferred, JpegFile)  # the header passes
     with pytest.raises(DataError) as refused:

@@ -14,7 +14,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.config import resolve_data_name
 from distribuuuu.data import datasets as ds
-from distribuuuu.data import gpu_decode, turbo
+from distribuuuu.data import gpu_decode, image_files, turbo
 from distribuuuu.data.batch_ring import RingLoader
 from distribuuuu.data.datasets import DataError, count_images, find_image_files
 from distribuuuu.data.jpeg import (
@@ -151,10 +151,10 @@ def image_reader(cfg: CfgNode) -> Callable[[str], torch.Tensor | Image.Image]:
     DATA.DECODER gpu reads a single file as tensor does."""
     readers = {
         "fused": read_image_fused,
-        "tensor": ds.decode_image_file,
-        "gpu": ds.decode_image_file,
+        "tensor": image_files.decode_image_file,
+        "gpu": image_files.decode_image_file,
     }
-    return readers.get(cfg.DATA.DECODER, ds.load_image)
+    return readers.get(cfg.DATA.DECODER, image_files.load_image)
 
 
 def describe_decoder(cfg: CfgNode) -> str:
@@ -251,7 +251,7 @@ class _DecodeBytes:
     def __call__(self, data: bytes, name: str) -> torch.Tensor | Image.Image | JpegFile:
         image = jpeg_bytes(data, name) if self.defer else None
         if image is None:
-            return ds.decode_image_bytes(data, name, self.as_tensor)
+            return image_files.decode_image_bytes(data, name, self.as_tensor)
         return image
 
 

@@ -11,7 +11,7 @@ read the file into with the same libjpeg-turbo call as the ``tensor``
 decoder: the same pixels.  Everything else (PNG, WebP, CMYK JPEGs, 12-bit or
 lossless JPEGs, a frame header it cannot find, a size the library reads
 otherwise, an image over the pixel limit, a file the decoder refuses) goes
-through :func:`~distribuuuu.data.datasets.decode_image_bytes`, so the errors,
+through :func:`~distribuuuu.data.image_files.decode_image_bytes`, so the errors,
 ``DATA.SKIP_CORRUPT`` and the limits are those of the ``tensor`` decoder.
 
 For training, :func:`read_or_defer` leaves such a JPEG undecoded
@@ -30,10 +30,9 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
-from distribuuuu.data import datasets as ds
-from distribuuuu.data import turbo
+from distribuuuu.data import image_files, turbo
 
-try:  # deprecated in torchvision 0.29, like the decoder of datasets.py
+try:  # deprecated in torchvision 0.29, like the decoder of image_files.py
     from torchvision.io import ImageReadMode, decode_jpeg
 except ImportError:  # gone: every file takes the tensor decoder's path
     decode_jpeg = None
@@ -180,7 +179,9 @@ class JpegFile:
                     return decode_jpeg(encoded, mode=ImageReadMode.RGB)
             except (RuntimeError, ValueError):
                 pass  # damaged: PIL decides, as for the tensor decoder
-        return ds.decode_image_bytes(bytes(self.data), self.name, as_tensor=True)
+        return image_files.decode_image_bytes(
+            bytes(self.data), self.name, as_tensor=True
+        )
 
     def window(self, top: int, left: int, height: int, width: int) -> torch.Tensor:
         """The ``height`` x ``width`` window at (``top``, ``left``), inside the
@@ -200,7 +201,7 @@ def _plain(header: JpegHeader | None) -> bool:
     :attr:`JpegHeader.plain_8bit`)."""
     if header is None or not header.plain_8bit:
         return False
-    limit = ds.max_image_pixels()
+    limit = image_files.max_image_pixels()
     return limit is None or header.width * header.height <= limit
 
 
@@ -231,7 +232,7 @@ def jpeg_bytes(data: bytes | bytearray, name: str) -> JpegFile | None:
     path: the crop is drawn, and the pixel limit applied, for the size that
     is decoded.
     """
-    if len(data) > ds.MAX_IMAGE_FILE_BYTES:
+    if len(data) > image_files.MAX_IMAGE_FILE_BYTES:
         return None
     header = jpeg_header(data)
     if not _plain(header):
@@ -245,18 +246,20 @@ def jpeg_bytes(data: bytes | bytearray, name: str) -> JpegFile | None:
 def read_or_defer(path: str) -> JpegFile | torch.Tensor:
     """The image file at ``path`` as a :class:`JpegFile` to decode later (in
     the crop window the transform draws) if it is a plain 8-bit JPEG, or
-    decoded now as :func:`~distribuuuu.data.datasets.decode_image_file`
+    decoded now as :func:`~distribuuuu.data.image_files.decode_image_file`
     decodes it: the reader of DATA.DECODER fused training and of DATA.DECODER
     gpu.  The file is read once, into the buffer the decoders take; a
     DataError names it as the tensor decoder does."""
-    data = ds.read_image_bytes(path)
+    data = image_files.read_image_bytes(path)
     image = jpeg_bytes(data, path)
-    return ds.decode_image_bytes(data, path, as_tensor=True) if image is None else image
+    if image is None:
+        return image_files.decode_image_bytes(data, path, as_tensor=True)
+    return image
 
 
 def read_image_fused(path: str) -> torch.Tensor:
     """Read the image file at ``path`` as an RGB uint8 tensor (3 x H x W):
-    the pixels, limit and errors of :func:`~distribuuuu.data.datasets.\
+    the pixels, limit and errors of :func:`~distribuuuu.data.image_files.\
 decode_image_file`, faster for 8-bit JPEGs (see the module doc)."""
     image = read_or_defer(path)
     return image.decode() if isinstance(image, JpegFile) else image

@@ -23,11 +23,11 @@ from PIL import Image
 
 from distribuuuu.data.datasets import (
     DataError,
-    decode_image_bytes,
     find_image_classes,
     find_image_files,
     load_mnist5k,
 )
+from distribuuuu.data.image_files import decode_image_bytes
 from distribuuuu.data.shards import (
     CLASSES_FILE,
     IMAGE_SUFFIXES,
