@@ -13,11 +13,11 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import distributed as du
-from distribuuuu.data.workers import start_worker_server
 from distribuuuu.logger import setup_logging
 from distribuuuu.precision import resolve_auto_precision
 from distribuuuu.run_lock import agree_out_dir_free
 from distribuuuu.strategies import strategy_class
+from distribuuuu.worker_server import start_worker_server
 
 logger = logging.getLogger(__name__)
 

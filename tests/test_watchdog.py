@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, Dataset
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_test_loader, build_train_loader
 from distribuuuu.data.packed import PackedSamples
-from distribuuuu.data.workers import worker_context
 from distribuuuu.watchdog import LoaderTimeoutError, Watchdog, WatchedLoader
+from distribuuuu.worker_server import worker_context
 
 CPU = torch.device("cpu")
 CONTEXT = worker_context()

@@ -18,7 +18,7 @@ import sys
 
 from yacs.config import CfgNode
 
-from distribuuuu import cli, job, preflight, run_lock
+from distribuuuu import cli, job, preflight, run_lock, worker_server
 from distribuuuu.config import format_cfg, format_config_reference, load_cfg
 
 EXIT_CODES = """exit codes:
@@ -132,6 +132,10 @@ def load_and_check(args: argparse.Namespace) -> CfgNode:
     cfg = load_cfg(args.cfg_file, args.opts)
     if args.print_config:
         return cfg
+    if cfg.TRAIN.WORKERS > 0 and args.num_procs == 1:
+        # Loader workers come from a fork server: its imports (torch) now
+        # overlap this process's own and the checks.
+        worker_server.start_worker_server()
     preflight.check_launch(cfg, args.num_procs)
     world_size = job.job_world_size(args.num_procs)
     if not args.eval_only:

@@ -37,8 +37,8 @@ from distribuuuu.data.transforms import (
     imagenet_transforms,
     small_image_transforms,
 )
-from distribuuuu.data.workers import worker_context
 from distribuuuu.tta import CROP_MODES
+from distribuuuu.worker_server import worker_context
 
 __all__ = [
     "DataError",

@@ -14,11 +14,14 @@ in between), imports our data code once and forks each worker from its own
 single thread. What differs from fork:
 
 - the data set and ``collate_fn`` are pickled into each worker, so what a
-  data set holds must be small to pickle (paths are packed into one
-  shared-memory tensor, sent as a file descriptor: :mod:`.packed`);
+  data set holds must be small to pickle (paths are packed into
+  shared-memory tensors, sent as file descriptors: ``data/packed.py``);
 - environment changes made after the server started do not reach workers;
-- the server's first worker waits for its imports (about 2 s with torch):
-  :func:`start_worker_server` starts it early, beside building the model.
+- the server's first worker waits for its imports (2-6 s with torch):
+  :func:`start_worker_server` starts it early, before this process imports
+  torch (``tools/train_net.py``, right after the config is read), so that
+  both import at once. This module imports no torch for that reason (it is
+  not in ``data/``, whose package imports torch).
 """
 
 from __future__ import annotations
