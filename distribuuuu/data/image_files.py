@@ -147,10 +147,10 @@ def _read_image(path: str, as_tensor: bool) -> Image.Image | torch.Tensor:
     return decode_image_bytes(read_image_bytes(path), path, as_tensor)
 
 
-def _open_image_file(path: str) -> io.FileIO:
-    """The file at ``path`` opened for reading, unbuffered; a DataError names
-    it when it is not a regular file (a FIFO, a device, a folder), without
-    blocking."""
+def open_regular_file(path: str) -> io.FileIO | None:
+    """The file at ``path`` opened for reading, unbuffered, without blocking;
+    None (and nothing left open) when it is not a regular file (a FIFO, a
+    device, a folder)."""
     # A FIFO opened without O_NONBLOCK waits for a writer for ever, and no
     # signal ends the wait (SIGTERM neither, so neither does a preemption); on
     # a regular file the flag changes nothing.  O_NOCTTY: a terminal named
@@ -164,8 +164,16 @@ def _open_image_file(path: str) -> io.FileIO:
         raise
     if not regular:
         os.close(descriptor)
-        raise DataError(f"cannot read image {path}: not a regular file")
+        return None
     return os.fdopen(descriptor, "rb", buffering=0)
+
+
+def _open_image_file(path: str) -> io.FileIO:
+    """:func:`open_regular_file`, or a DataError naming ``path``."""
+    opened = open_regular_file(path)
+    if opened is None:
+        raise DataError(f"cannot read image {path}: not a regular file")
+    return opened
 
 
 def _check_file_size(size: int, name: str) -> None:

@@ -27,7 +27,7 @@ from distribuuuu.data.datasets import (
     find_image_files,
     load_mnist5k,
 )
-from distribuuuu.data.image_files import decode_image_bytes
+from distribuuuu.data.image_files import decode_image_bytes, open_regular_file
 from distribuuuu.data.shards import (
     CLASSES_FILE,
     IMAGE_SUFFIXES,
@@ -127,10 +127,11 @@ def _check_source_file(
 
 def _file_reader(path: str) -> Callable[[], tuple[bytes, str]]:
     def read() -> tuple[bytes, str]:
-        # Non-blocking: a FIFO put in the file's place never blocks the open.
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise DataError(f"{path}: not a regular file (a FIFO, device?)")
+        # A FIFO put in the file's place never blocks the open.
+        opened = open_regular_file(path)
+        if opened is None:
+            raise DataError(f"{path}: not a regular file (a FIFO, device?)")
+        with opened as f:
             return f.read(), os.path.splitext(path)[1].lstrip(".").lower()
 
     return read
