@@ -253,7 +253,8 @@ def read_file(path: str) -> bytes:
     except OSError as error:
         raise OnnxError(f"{path}: cannot be read ({error.strerror})") from None
     with os.fdopen(descriptor, "rb") as f:
-        mode, size = os.fstat(f.fileno()).st_mode, os.fstat(f.fileno()).st_size
+        status = os.fstat(f.fileno())
+        mode, size = status.st_mode, status.st_size
         if stat.S_ISDIR(mode):
             raise OnnxError(f"{path}: is a directory")
         if not stat.S_ISREG(mode):
