@@ -432,6 +432,18 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def gather_object_on_main(obj: Any) -> list[Any] | None:
+    """Gather one picklable object from every process on rank 0, in rank
+    order; None on the other ranks.  It travels through host memory (over
+    the gloo group of the host-side checks where the default group is NCCL),
+    so a large object, a model's weights, never passes through a GPU."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size() if get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0, group=_CONTROL_GROUP)
+    return out
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Return rank ``src``'s ``obj`` on every process."""
     if not is_distributed():

@@ -181,6 +181,12 @@ def _assert_same_run(out: str, reference: str, atol: float) -> None:
     assert actual.keys() == expected.keys()
     for key, value in expected.items():
         torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=atol)
+    # The best weights, the stages gathered on rank 0: the whole model's.
+    best = cp.load_file(os.path.join(out, cp.BEST_WEIGHTS))["model"]
+    expected = cp.load_file(os.path.join(reference, cp.BEST_WEIGHTS))["model"]
+    assert list(best) == list(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(best[key], value, rtol=1e-5, atol=atol)
     (val,) = read_metrics(out, "val")
     assert val["samples"] == 1000  # every validation image counted once
 

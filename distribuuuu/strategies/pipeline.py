@@ -68,7 +68,6 @@ from distribuuuu.strategies.base import (
     MicroBatch,
     Strategy,
     average_gradients,
-    broadcast_model,
     keyed_by_name,
     own_groups_by_name,
     rekey_optimizer_state,
@@ -191,6 +190,40 @@ class _WholeShapes:
         }
 
 
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module`` by name, shared ones under each
+    of their names."""
+    return [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
+
+
+def broadcast_from_first_rank(
+    model: nn.Module, part: nn.Module, device: torch.device
+) -> None:
+    """Give ``part``, this rank's layers of ``model`` already moved to
+    ``device``, rank 0's values (each rank built the model from its own seed).
+
+    The broadcasts go over the default group, which may be NCCL, so every
+    tensor handed to it is on ``device``: ``part``'s own tensors receive in
+    place, the layers of other stages pass through a device copy one tensor
+    at a time, so that no GPU ever holds the whole model.
+    """
+    if not du.is_distributed():
+        return
+    held = dict(_tensors(part))
+    sender = du.is_main_process()
+    for name, tensor in _tensors(model):
+        if name in held:
+            staged = held[name].detach()
+        elif sender:
+            staged = tensor.detach().to(device)
+        else:
+            staged = torch.empty_like(tensor, device=device)
+        dist.broadcast(staged, 0)
+
+
 def whole_optimizer_order(model: nn.Module, optim_cfg: CfgNode) -> list[str]:
     """The names of ``model``'s parameters in the order of the whole optimizer
     (that a whole optimizer state's indices follow)."""
@@ -244,7 +277,6 @@ class PipelineStrategy(Strategy):
         self.stage = mesh.get_local_rank("pp")
         self.dp_size = self.world // self.stages
         base = du.get_rank() - self.stage
-        broadcast_model(model)
         steps, bounds = plan_split(model, self.cfg)
         logger.info(
             "pipeline: %d stages x %d data-parallel, %s schedule, %d micro-batches; "
@@ -264,6 +296,7 @@ class PipelineStrategy(Strategy):
         mine = [steps[bounds[i] : ends[i]] for i in self.indices]
         part = StagePart(model, [step for piece in mine for step in piece])
         part.to(self.device)
+        broadcast_from_first_rank(model, part, self.device)
         pieces = [StagePart(part, piece) for piece in mine]
 
         def rank_of(index: int) -> int:
@@ -357,11 +390,14 @@ class PipelineStrategy(Strategy):
     # --- state in our checkpoint layout ---------------------------------- #
     def model_state_dict(self, model: nn.Module) -> dict:
         """Gathered from the first pipeline's stages on rank 0 ({} elsewhere),
-        in the whole model's order; a collective."""
-        own = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        in the whole model's order; a collective.  The stages travel in host
+        memory to rank 0 only: every GPU holds its own stage and no more."""
         first_pipeline = du.get_rank() < self.stages
-        pieces = du.all_gather_object(own if first_pipeline else {})
-        if not du.is_main_process():
+        own = {}
+        if first_pipeline:
+            own = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        pieces = du.gather_object_on_main(own)
+        if pieces is None:
             return {}
         merged = {k: v for piece in pieces for k, v in piece.items()}
         return {k: merged[k] for k in self.whole.shapes}
