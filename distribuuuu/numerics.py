@@ -29,18 +29,18 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every floating-point value of ``tensors`` is finite on every rank.
 
     A collective: each rank checks what it stores (its shard of a DTensor)
-    and the answer is agreed over all ranks.  One host synchronization, so
-    call it at saves and print steps, not at every step.
+    and the answer is agreed over all ranks.  The tensors may lie on several
+    devices (FSDP's CPU offload keeps the parameter shards in host memory and
+    the buffers on the GPU): one reduction and one host synchronization per
+    device, so call it at saves and print steps, not at every step.
     """
-    flags = [
-        torch.isfinite(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
-        .all()
-        .detach()
-        for tensor in tensors
-        if tensor.is_floating_point()
-    ]
-    local = bool(torch.stack(flags).all()) if flags else True
-    return du.all_reduce_max_int(int(not local)) == 0
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if tensor.is_floating_point():
+            held = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            flags.setdefault(held.device, []).append(torch.isfinite(held).all())
+    finite = all(bool(torch.stack(same).all()) for same in flags.values())
+    return du.all_reduce_max_int(int(not finite)) == 0
 
 
 def module_tensors(module: nn.Module) -> list[torch.Tensor]:

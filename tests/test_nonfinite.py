@@ -31,6 +31,7 @@ from distribuuuu.session import run_context
 # A learning rate so high that the first step sends the weights to ~1e30 and
 # the second step's loss to nan (LeNet-5, synthetic data, seed 1: every time).
 BLOW_UP = ["OPTIM.BASE_LR", "1e30"]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _finite(tensors) -> bool:
@@ -74,6 +75,94 @@ def test_all_finite_checks_parameters_and_floating_buffers():
     assert not all_finite(tensors)
     _poison(bn.running_var, -math.inf)
     assert not all_finite([bn.running_var])
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    """The tensors of ``value``: a tensor, or lists and tuples holding some."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensors_in(item)]
+    return []
+
+
+def _map_tensors(value, change):
+    """``value`` with ``change`` applied to each of its tensors."""
+    if isinstance(value, torch.Tensor):
+        return change(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(item, change) for item in value)
+    return value
+
+
+class _FakeGpuTensor(torch.Tensor):
+    """A CPU tensor that reports ``cuda:0`` as its device and, like CUDA's
+    kernels for ``stack`` and ``cat``, refuses any operation that also takes a
+    tensor of another device: FSDP's CPU offload on a machine without a GPU
+    (the buffers here, the parameter shards on the CPU)."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, dtype=data.dtype, device=torch.device("cuda", 0)
+        )
+
+    def __init__(self, data: torch.Tensor):
+        self.data_on_cpu = data
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = _tensors_in([*args, *kwargs.values()])
+        devices = sorted({str(tensor.device) for tensor in tensors})
+        if len(devices) > 1:
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at "
+                f"least two devices, {' and '.join(devices)}! ({func})"
+            )
+
+        def unwrap(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.data_on_cpu if isinstance(tensor, cls) else tensor
+
+        args = _map_tensors(args, unwrap)
+        kwargs = {key: _map_tensors(value, unwrap) for key, value in kwargs.items()}
+        return _map_tensors(func(*args, **kwargs), cls)
+
+
+def _fake_gpu(tensor: torch.Tensor) -> torch.Tensor:
+    return _FakeGpuTensor(tensor.clone())
+
+
+def _real_gpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.device("cuda"))
+
+
+@pytest.mark.parametrize(
+    "to_gpu",
+    [
+        _fake_gpu,
+        pytest.param(_real_gpu, marks=[pytest.mark.cuda, needs_cuda]),
+    ],
+)
+def test_all_finite_checks_tensors_on_two_devices(to_gpu):
+    """Under FSDP's CPU offload a BatchNorm model's parameter shards are on the
+    CPU and its buffers on the GPU: the check takes both and finds a NaN or
+    an inf on either."""
+    model = build_model("resnet8", 10)
+    parameters = list(model.parameters())
+    buffers = [to_gpu(buffer) for buffer in model.buffers()]
+    assert {buffer.device.type for buffer in buffers} == {"cuda"}
+    with pytest.raises(RuntimeError, match="same device"):  # as CUDA refuses
+        torch.stack([parameters[0].sum(), buffers[0].sum()])
+    assert all_finite([*parameters, *buffers])
+    statistic = next(buffer for buffer in buffers if buffer.is_floating_point())
+    statistic = getattr(statistic, "data_on_cpu", statistic)  # the fake: its values
+    _poison(statistic, math.inf)
+    assert not all_finite([*parameters, *buffers])
+    _poison(statistic, 1.0)
+    assert all_finite([*parameters, *buffers])
+    _poison(parameters[0])
+    assert not all_finite([*parameters, *buffers])
 
 
 def _check_shards(rank: int, world: int) -> tuple[bool, bool]:
