@@ -8,12 +8,15 @@ compared with DATA.DECODER tensor.  Tests that need CUDA skip without it.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import math
 import os
 import random
 
 import pytest
 import torch
+import torchvision
 from helpers import assert_ok, call_main, read_metrics, refused, train_net
 from PIL import Image
 
@@ -26,6 +29,7 @@ from distribuuuu.data import (
     build_test_loader,
     build_train_loader,
     empty_batch,
+    gpu_decode,
 )
 from distribuuuu.data.datasets import DataError
 from distribuuuu.data.gpu_decode import (
@@ -33,6 +37,7 @@ from distribuuuu.data.gpu_decode import (
     EncodedSample,
     collate_encoded,
     decode_batch,
+    decode_jpegs,
 )
 from distribuuuu.data.jpeg import jpeg_header, read_or_defer
 from distribuuuu.data.samplers import sample_seed
@@ -265,6 +270,56 @@ def test_an_image_decoded_at_another_size_than_its_header_is_refused(tmp_path, f
         decode_batch(batch, CPU)
 
 
+def test_cuda_decodes_wait_for_the_current_stream_first(folder, monkeypatch):
+    """nvJPEG writes into blocks the caching allocator took back from the
+    current stream while kernels queued there may still use them, and waits
+    for none of them (pytorch/vision#9606): each decode call comes after the
+    host has waited for that stream, on the device decoded on.  CUDA and the
+    decoder are faked; the order of the host's calls is what is checked."""
+    dataset = SeededDataset(build_dataset(_cfg(folder, "gpu"), train=True))
+    samples = [dataset[(index, index)] for index in range(len(dataset))]
+    batch, _ = collate_encoded([pair for pair in samples if not pair[0].ready])
+    expected = decode_batch(batch, CPU)
+    device, calls = torch.device("cuda", 1), []
+    current = [torch.device("cuda", 0)]  # the device torch.cuda.device sets
+
+    @contextlib.contextmanager
+    def on_device(where):
+        calls.append(("device", torch.device(where)))
+        current.append(torch.device(where))
+        yield
+        current.pop()
+        calls.append(("device left",))
+
+    class Stream:
+        def __init__(self, where=None):
+            self.where = current[-1] if where is None else torch.device(where)
+
+        def synchronize(self):
+            calls.append(("stream waited for", self.where))
+
+    decode_on_cpu = torchvision.io.decode_jpeg
+
+    def decode_on_gpu(data, mode, device):
+        calls.append(("decode", torch.device(device), len(data)))
+        return [decode_on_cpu(image, mode=mode) for image in data]
+
+    monkeypatch.setattr(torch.cuda, "device", on_device)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", decode_on_gpu)
+    # Runs of one or two images (at most 15,000 pixels): one wait each.
+    images = decode_batch(batch, device, budget=15_000)
+    assert torch.equal(images, expected)
+    runs = [call[2] for call in calls if call[0] == "decode"]
+    assert len(runs) > 2 and sum(runs) == len(batch.encoded) == 6
+    one_run = [("device", device), ("stream waited for", device)]
+    assert calls == [
+        call
+        for images_in_run in runs
+        for call in [*one_run, ("decode", device, images_in_run), ("device left",)]
+    ]
+
+
 def test_a_run_takes_the_encoded_batches_end_to_end(folder, tmp_path, monkeypatch):
     """Training, precise BN, evaluation and the logged grid of training images
     all take the encoded batches: DATA.DECODER gpu run on the CPU, its CUDA
@@ -309,6 +364,7 @@ def test_gpu_decoder_is_refused_where_it_cannot_run(folder, tmp_path):
 GPU_MEAN_LEVELS = 2.0
 
 
+@pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("train", [True, False])
 def test_cuda_batches_match_the_tensor_decoder_within_the_bound(folder, train):
@@ -324,7 +380,53 @@ def test_cuda_batches_match_the_tensor_decoder_within_the_bound(folder, train):
         assert torch.equal(label, reference_label)
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_decodes_stay_intact_behind_a_busy_stream(monkeypatch):
+    """pytorch/vision#9606 through our decoder: before each of 40 batches of
+    mixed sizes, kernels queued behind a long one write and read blocks that
+    the host has already freed, as a training step leaves them.  Every image
+    matches libjpeg-turbo's within the bound (baseline JPEGs take nvJPEG's
+    hardware path on an A100 or H100, progressive ones its software path),
+    and every queued sum is exact: the decoder wrote over neither."""
+
+    def fail_on_refusal(error):
+        pytest.fail(f"nvJPEG refused a batch, which was decoded on the CPU: {error}")
+
+    monkeypatch.setattr(gpu_decode, "_warn_refused_batch", fail_on_refusal)
+    cuda, draws, samples = torch.device("cuda"), random.Random(9), []
+    for i in range(16):
+        image = _picture(64 + 37 * i, 48 + 23 * (5 * i % 11), i % 2, 100 + i)
+        if i % 5 == 4:
+            image = image.convert("L")
+        data = _jpeg_bytes(image, quality=70 + i, progressive=i % 4 == 3)
+        data = torch.tensor(list(data), dtype=torch.uint8)
+        samples.append(EncodedSample(None, data, f"{i}.jpg"))
+    references = decode_jpegs(samples, CPU)
+    for step in range(40):
+        chosen = draws.sample(range(len(samples)), 6)
+        value = 3 + step  # doubled, still a uint8
+        sources = [
+            torch.full(references[i].shape, value, dtype=torch.uint8, device=cuda)
+            for i in chosen
+        ]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(20_000_000)  # about 10 ms: what follows waits behind it
+        sums = []
+        for source in sources:
+            doubled = source * 2  # the same size as a decoded image; freed at once
+            sums.append(doubled.sum(dtype=torch.int64))
+        del doubled, sources
+        images = decode_jpegs([samples[i] for i in chosen], cuda)
+        for i, image in zip(chosen, images, strict=True):
+            levels = (image.cpu().float() - references[i].float()).abs().mean()
+            assert levels < GPU_MEAN_LEVELS, (step, i, levels)
+        expected = [2 * value * math.prod(references[i].shape) for i in chosen]
+        assert [int(total) for total in sums] == expected, step
+
+
 @pytest.mark.slow
+@pytest.mark.cuda
 @needs_cuda
 def test_a_short_cuda_run_with_the_gpu_decoder_learns(tmp_path):
     root = tmp_path / "images"

@@ -174,11 +174,24 @@ def decode_jpegs(samples: list[EncodedSample], device: torch.device) -> list:
     """The JPEG bytes of ``samples`` (on the CPU) as RGB uint8 images on
     ``device``.
 
-    On CUDA one batched nvJPEG call; torchvision decodes on a stream of its
-    own and makes the device's current stream wait for it (an event, no host
-    sync).  Should nvJPEG refuse the batch, each image is decoded on the CPU
-    (libjpeg-turbo, as DATA.DECODER tensor) and copied over; a DataError
-    names a file that neither decodes.
+    On CUDA one batched nvJPEG call, made once the host has waited for the
+    device's current stream to run all it has queued: one host
+    synchronization per call (per batch, unless a batch's images exceed
+    DECODE_PIXELS), beside torchvision's own (it waits for its decode to
+    finish before it returns).  Should nvJPEG refuse the batch, each image is
+    decoded on the CPU (libjpeg-turbo, as DATA.DECODER tensor) and copied
+    over; a DataError names a file that neither decodes.
+
+    Why the host waits: torchvision takes the output tensors from the caching
+    allocator on the current stream, which hands out a block freed there at
+    once, while kernels queued on that stream may still read or write it
+    (the previous step's temporaries, or the last run's decoded images).
+    nvJPEG writes the outputs from a private stream that never waits for the
+    current one, and its hardware engine writes even before work queued on
+    its own stream has run (pytorch/vision#9606, meta-pytorch/torchcodec#1634),
+    so no wait queued on the GPU (an event) orders those writes; an idle
+    stream leaves them nothing to overwrite.  The cost: the decode no longer
+    overlaps the work the stream had left (the end of the previous step).
     """
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -187,6 +200,9 @@ def decode_jpegs(samples: list[EncodedSample], device: torch.device) -> list:
         warnings.simplefilter("ignore", DeprecationWarning)
         if samples and device.type == "cuda":
             with torch.cuda.device(device):
+                # Outside the try: an error of an earlier kernel surfaces
+                # here and is not taken for nvJPEG refusing the batch.
+                torch.cuda.current_stream(device).synchronize()
                 try:
                     data = [sample.data for sample in samples]
                     return decode_jpeg(data, mode=rgb, device=device)
