@@ -137,6 +137,10 @@ def micro_batches(
 #   than one process: all_reduce_max_int through a CPU gloo group (.item() of a
 #   CPU tensor). No GPU sync, but a host collective: that step waits for the
 #   slowest rank's host.
+# - DATA.DECODER gpu, per micro-batch (per run of DECODE_PIXELS): the input
+#   step waits for the current stream before nvJPEG writes (data/gpu_decode.py
+#   decode_jpegs, pytorch/vision#9606), and torchvision's decode waits for its
+#   own stream before it returns.
 # Not syncs: waiting for the data loader (host); the .to(device,
 # non_blocking=True) of images (in the normalizer) and targets, from the
 # loader's pinned batches (TRAIN.PIN_MEMORY; from pageable memory CUDA may copy
@@ -147,7 +151,7 @@ def micro_batches(
 # on the CPU unless capturable or fused); ZeRO-1's broadcasts (NCCL waits order
 # streams); the EMA's lerp (a host float weight); MetricSums.update.
 # At print steps: MetricSums.reduce (all_reduce + .tolist(), one sync); when the
-# window's loss is not finite, all_finite (one sync + a CPU collective).
+# window's loss is not finite, all_finite (one sync per device + a CPU collective).
 # At checkpoint steps: all_finite and the state dicts copied to the CPU.
 def train_step(
     state: TrainState, batches: Iterator, meter: MetricSums, loss_fn: TrainLoss
