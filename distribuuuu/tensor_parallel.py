@@ -18,10 +18,17 @@ traffic, and the activations outside attention and MLP are split too.
 Models with a plan: ``vit_tiny_patch4`` and torchvision's ``vit_*`` (whose
 fused ``nn.MultiheadAttention`` is replaced by an equal attention with q, k
 and v apart, :func:`~distribuuuu.models.vit.split_torchvision_attention`).
+
+The ranks of a block hold its residual stream whole (or their share of its
+tokens): what they draw at random there, MODEL.DROP_PATH's per-sample masks,
+must be drawn alike on all of them, or the replicated weights drift apart.
+:func:`share_random_state` gives them one RNG state.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -53,14 +60,30 @@ def _blocks(model: nn.Module) -> list[tuple[str, str, tuple, tuple]]:
             for i in range(len(model.blocks))
         ]
     if isinstance(model, _torchvision_vit()):
-        # ln_1, the dropout after attention, ln_2 (the MLP's own dropouts
-        # follow its row-parallel layer and act on local tokens as they are)
-        token_wise = ("ln_1", "dropout", "ln_2")
         return [
-            (f"encoder.layers.{name}", "self_attention", ("mlp.0", "mlp.3"), token_wise)
-            for name, _ in model.encoder.layers.named_children()
+            (
+                f"encoder.layers.{name}",
+                "self_attention",
+                ("mlp.0", "mlp.3"),
+                _token_wise(block),
+            )
+            for name, block in model.encoder.layers.named_children()
         ]
     return []
+
+
+def _token_wise(block: nn.Module) -> tuple[str, str, str]:
+    """ln_1, the dropout after attention and ln_2 of a torchvision encoder
+    block (the MLP's own dropouts follow its row-parallel layer and act on
+    local tokens as they are).
+
+    MODEL.DROP_PATH makes that dropout ``Sequential(dropout, drop path)``
+    (:mod:`distribuuuu.models.regularize`): only the dropout is named, and the
+    drop path, like the MLP's, scales the local tokens of each sample (as a
+    sequence-parallel module it would get a DTensor, which torchvision's
+    ``stochastic_depth`` multiplies by a plain tensor and fails)."""
+    dropout = "dropout.0" if isinstance(block.dropout, nn.Sequential) else "dropout"
+    return ("ln_1", dropout, "ln_2")
 
 
 def _stack(model: nn.Module) -> str:
@@ -146,3 +169,28 @@ def parallelize(
             desired_output_layouts=Replicate(),
         )
     return parallelize_module(model, mesh, plan)
+
+
+def share_random_state(mesh: DeviceMesh, device: torch.device) -> None:
+    """Give every rank of the 1-D ``mesh`` the torch RNG state of its first
+    rank: the CPU generator's and, on a GPU, that of ``device``.
+
+    The trainer seeds each process apart (RNG_SEED + rank).  The ranks of a
+    tensor-parallel group must draw alike what they draw for the activations
+    they all hold (drop-path masks), while the groups, data-parallel
+    replicas, keep drawing apart: Megatron's "default" RNG state is so, the
+    same within a tensor-parallel group and different across groups
+    (``megatron/core/tensor_parallel/random.py``,
+    ``model_parallel_cuda_manual_seed``).  It is the process's own state, so
+    activation checkpointing replays it in the recomputation and checkpoints
+    save and restore it per rank as before.
+    """
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    dist.broadcast_object_list(
+        states, group=mesh.get_group(), device=device, group_src=0
+    )
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)

@@ -4,11 +4,13 @@ data parallel over the rest of the world.
 
 The world is a 2-D mesh, data parallel x tensor parallel (``dp`` x ``tp``):
 ranks ``d * N ... d * N + N - 1`` split the blocks of replica ``d`` and share
-its batches.  Over ``dp``, ``DIST.STRATEGY ddp`` averages the gradients after
-backward (one all-reduce per step, this rank's shards only) and
-``DIST.STRATEGY fsdp`` shards each block again (2-D FSDP x TP, PyTorch's own
-recipe).  The weights are DTensors, so checkpoints go through DCP exactly as
-FSDP's do (sharded, re-sharded on load, read whole by the tools).
+its batches, and its torch RNG state (that of rank ``d * N``), so that they
+draw the same drop-path masks.  Over ``dp``, ``DIST.STRATEGY ddp`` averages
+the gradients after backward (one all-reduce per step, this rank's shards
+only) and ``DIST.STRATEGY fsdp`` shards each block again (2-D FSDP x TP,
+PyTorch's own recipe).  The weights are DTensors, so checkpoints go through
+DCP exactly as FSDP's do (sharded, re-sharded on load, read whole by the
+tools).
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ from distribuuuu.checkpoint import weights_in
 from distribuuuu.models.vit import fuse_qkv, split_qkv
 from distribuuuu.strategies.base import average_gradients, broadcast_model
 from distribuuuu.strategies.fsdp import FSDPStrategy, shard_fully
-from distribuuuu.tensor_parallel import check_tensor_parallel, parallelize
+from distribuuuu.tensor_parallel import (
+    check_tensor_parallel,
+    parallelize,
+    share_random_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +62,8 @@ class TensorParallelStrategy(FSDPStrategy):
         )
         self.dp_group, self.dp_size = mesh.get_group("dp"), world // size
         self.tp_rank = mesh.get_local_rank("tp")
+        # The ranks of a replica draw its drop-path masks alike from here on.
+        share_random_state(mesh["tp"], self.device)
         model = model.to(self.device)
         broadcast_model(model)  # the replicas and the shards start from rank 0's
         parallelize(model, mesh["tp"], self.cfg.DIST.SEQUENCE_PARALLEL)
