@@ -1,10 +1,12 @@
 """DIST.TENSOR_PARALLEL: Megatron-style blocks on real gloo ranks compute what
-one process computes; ddp and fsdp over the replicas; bad layouts refused."""
+one process computes; ddp and fsdp over the replicas; the ranks of a replica
+draw the same drop-path masks; bad layouts refused."""
 
 from __future__ import annotations
 
 import os
 import re
+import traceback
 
 import pytest
 import torch
@@ -25,7 +27,11 @@ from torch.distributed.tensor import DTensor
 from distribuuuu.models import build_model
 from distribuuuu.models.vit import fuse_qkv, split_torchvision_attention
 from distribuuuu.strategies.base import average_gradients, clip_gradients
-from distribuuuu.tensor_parallel import check_tensor_parallel, parallelize
+from distribuuuu.tensor_parallel import (
+    check_tensor_parallel,
+    parallelize,
+    share_random_state,
+)
 
 VIT = ["--cfg", "config/digits_vit_tiny.yaml", "OPTIM.MAX_EPOCH", "1"]
 # One epoch of 16 steps of 64 (a quarter of the digits' time), 1000 val images.
@@ -206,15 +212,22 @@ def test_an_epoch_of_fsdp_times_tensor_parallel_ends_like_one_process(tmp_path):
     assert _val_loss(both) == pytest.approx(_val_loss(one), rel=1e-4)
 
 
-def _whole_state_round_trip(rank: int, world: int, out_dir: str) -> dict:
-    """A torchvision ViT under TP 2: its whole state dict, loaded back, saved
-    as a sharded checkpoint and read whole."""
-    from distribuuuu import checkpoint as cp
+def _tensor_parallel_strategy(*keys: str):
+    """The strategy of a torchvision ViT under TP 2 on this process's group."""
     from distribuuuu.config import load_cfg
     from distribuuuu.strategies import build_strategy
 
-    cfg = load_cfg(None, ["DIST.TENSOR_PARALLEL", "2", "MODEL.ARCH", "vit_b_32"])
-    strategy = build_strategy(cfg, torch.device("cpu"))
+    tp = ["DIST.TENSOR_PARALLEL", "2", "MODEL.ARCH", "vit_b_32"]
+    cfg = load_cfg(None, [*tp, *keys])
+    return cfg, build_strategy(cfg, torch.device("cpu"))
+
+
+def _whole_state_round_trip(rank: int, out_dir: str) -> dict:
+    """A torchvision ViT under TP 2: its whole state dict, loaded back, saved
+    as a sharded checkpoint and read whole."""
+    from distribuuuu import checkpoint as cp
+
+    _, strategy = _tensor_parallel_strategy()
     torch.manual_seed(0)
     plain = _small_torchvision_vit()
     model = strategy.prepare_model(_small_torchvision_vit())
@@ -229,12 +242,124 @@ def _whole_state_round_trip(rank: int, world: int, out_dir: str) -> dict:
     return {"plain": plain.state_dict(), "whole": whole, "read": cp.load_full(path)}
 
 
+def _replicated(parameter: torch.Tensor) -> bool:
+    """A weight every tensor-parallel rank holds whole."""
+    if isinstance(parameter, DTensor):
+        return all(p.is_replicate() for p in parameter.placements)
+    return True
+
+
+def _drop_path_steps(rank: int, sequence_parallel: bool) -> dict:
+    """The whole weights of a torchvision ViT with MODEL.DROP_PATH 0.5 after
+    20 SGD steps under TP 2 (the strategy's), each rank seeded apart as the
+    trainer seeds it; and whether two forward passes then differ (the zero
+    head of torchvision's ViT gives zero logits before)."""
+    from distribuuuu.models.regularize import regularize
+
+    sp = ["DIST.SEQUENCE_PARALLEL", str(sequence_parallel)]
+    cfg, strategy = _tensor_parallel_strategy("MODEL.DROP_PATH", "0.5", *sp)
+    torch.manual_seed(1 + rank)  # RNG_SEED + rank
+    model = _small_torchvision_vit()
+    regularize(model, cfg.MODEL.ARCH, cfg.MODEL)
+    model = strategy.prepare_model(model)
+    batch = torch.Generator().manual_seed(0)  # the same batch on both ranks
+    images = torch.randn(8, 3, 28, 28, generator=batch)
+    targets = torch.randint(0, 10, (8,), generator=batch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(20):
+        optimizer.zero_grad()
+        F.cross_entropy(model(images), targets).backward()
+        strategy.reduce_gradients(model)
+        optimizer.step()
+    with torch.no_grad():
+        masked = not torch.equal(model(images), model(images))
+    weights = {
+        name: (p.to_local() if isinstance(p, DTensor) else p).detach()
+        for name, p in model.named_parameters()
+        if _replicated(p)
+    }
+    return {"masked": masked, "weights": weights}
+
+
+def _draws_after_sharing(rank: int, world: int) -> dict:
+    """``torch.rand(4)`` of each rank, seeded apart, after share_random_state
+    over tensor-parallel groups of ``world`` ranks, and of 1 (``world``
+    data-parallel replicas)."""
+    draws = {}
+    for tp in (world, 1):
+        torch.manual_seed(1 + rank)
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        share_random_state(mesh["tp"], torch.device("cpu"))
+        draws[f"tp {tp}"] = torch.rand(4)
+    return draws
+
+
+def _torchvision_vit_on_two_ranks(rank: int, world: int, out_dir: str) -> dict:
+    """Each part's result, or the traceback it raised (so that one failing
+    part leaves the others' tests their answers)."""
+    parts = {
+        "round trip": lambda: _whole_state_round_trip(rank, out_dir),
+        "drop path": lambda: _drop_path_steps(rank, False),
+        "drop path, sequence parallel": lambda: _drop_path_steps(rank, True),
+        "draws": lambda: _draws_after_sharing(rank, world),
+    }
+    results = {}
+    for name, part in parts.items():
+        try:
+            results[name] = part()
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
+
+
+@pytest.fixture(scope="module")
+def torchvision_vit_ranks(tmp_path_factory) -> list[dict]:
+    """One launch of 2 gloo ranks for the torchvision ViT tests below."""
+    out = str(tmp_path_factory.mktemp("torchvision_vit"))
+    return run_on_ranks(2, _torchvision_vit_on_two_ranks, (out,), out)
+
+
+def _part(ranks: list[dict], name: str) -> list:
+    """Each rank's result of one part; a part that raised fails the test."""
+    for result in ranks:
+        assert not isinstance(result[name], str), result[name]
+    return [result[name] for result in ranks]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_tensor_parallel_torchvision_vit_saves_torchvision_keys(tmp_path):
-    result = run_on_ranks(2, _whole_state_round_trip, (str(tmp_path),), str(tmp_path))
-    plain = result[0]["plain"]
-    for whole in (result[0]["whole"], result[0]["read"]["model"]):
+def test_a_tensor_parallel_torchvision_vit_saves_torchvision_keys(
+    torchvision_vit_ranks,
+):
+    result = _part(torchvision_vit_ranks, "round trip")[0]
+    plain = result["plain"]
+    for whole in (result["whole"], result["read"]["model"]):
         assert whole.keys() == plain.keys()
         for key, value in plain.items():
             assert torch.equal(whole[key], value), key
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "part",
+    ["drop path", "drop path, sequence parallel"],
+    ids=["", "sequence-parallel"],
+)
+def test_replicated_vit_weights_stay_equal_under_tp_2_with_drop_path(
+    torchvision_vit_ranks, part
+):
+    first, second = _part(torchvision_vit_ranks, part)
+    assert first["masked"] and second["masked"]  # the drop path drew masks
+    assert first["weights"].keys() == second["weights"].keys()
+    assert "heads.head.weight" in first["weights"]
+    for key, value in first["weights"].items():
+        assert torch.equal(second["weights"][key], value), key
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensor_parallel_ranks_draw_alike_and_replicas_apart(torchvision_vit_ranks):
+    first, second = _part(torchvision_vit_ranks, "draws")
+    assert torch.equal(first["tp 2"], second["tp 2"])
+    assert not torch.equal(first["tp 1"], second["tp 1"])
