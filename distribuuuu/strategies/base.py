@@ -44,6 +44,20 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
+def check_current_device(device: torch.device, library: str) -> None:
+    """RuntimeError unless CUDA's current device is still ``device``, the one
+    device chosen for this process, after ``library``, which sets the current
+    device itself (DeepSpeed, DataParallel), returned."""
+    if device.type != "cuda" or device.index is None:
+        return
+    current = torch.cuda.current_device()
+    if current != device.index:
+        raise RuntimeError(
+            f"{library} made cuda:{current} the current device of this process, "
+            f"not {device}, the one chosen for it"
+        )
+
+
 def broadcast_buffers(model: nn.Module, src: int = 0) -> None:
     """Copy rank ``src``'s buffers (BatchNorm running statistics) to every rank.
 

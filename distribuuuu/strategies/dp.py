@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from distribuuuu import distributed as du
-from distribuuuu.strategies.base import Strategy
+from distribuuuu.strategies.base import Strategy, check_current_device
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,14 @@ def replicas_under_autocast(replicas: list, device_type: str) -> list:
     return [UnderAutocast(replica, device_type, dtype) for replica in replicas]
 
 
+def gpus_from(device: torch.device, gpus: int) -> list[int]:
+    """The indices of ``gpus`` CUDA devices, ``device``'s first: DataParallel
+    keeps the module on its first device and gathers the outputs there, which
+    must be where this process put the model and its batches."""
+    first = 0 if device.index is None else device.index
+    return [first, *(index for index in range(gpus) if index != first)]
+
+
 class DataParallelStrategy(Strategy):
     """DataParallel over all visible GPUs of one process."""
 
@@ -79,7 +87,10 @@ class DataParallelStrategy(Strategy):
             )
             return model
         logger.info("DataParallel over %d GPUs (batch split across them)", gpus)
-        return AutocastDataParallel(model)
+        ids = gpus_from(device, gpus)
+        wrapped = AutocastDataParallel(model, device_ids=ids, output_device=ids[0])
+        check_current_device(device, "DataParallel")
+        return wrapped
 
     def devices(self, model: nn.Module) -> list[torch.device]:
         """Every GPU of the DataParallel (or the one device it fell back to)."""
