@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from fake_devices import FakeCuda, GpuShyLinear
 from helpers import (
     TRAIN_NET,
     assert_ok,
@@ -22,7 +23,9 @@ from helpers import (
     train_net,
 )
 
+from distribuuuu import distributed as du
 from distribuuuu.deepspeed_config import generated_config, merge
+from distribuuuu.strategies import deepspeed as deepspeed_strategy
 from distribuuuu.strategies.deepspeed import deepspeed_installed
 
 # CI installs the dev extra, which brings DeepSpeed: there the tests must run.
@@ -393,6 +396,86 @@ def test_merge_adds_what_we_have_no_key_for_and_accepts_agreeing_values():
         merge(ours, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
     with pytest.raises(ValueError, match="fp16.enabled 1 contradicts"):
         merge(ours, {"fp16": {"enabled": 1}})  # 1 is not false, nor true
+
+
+# --- the GPU DeepSpeed is given (fakes: DeepSpeed's engine cannot be built
+# on meta, and there is no GPU here) ----------------------------------------- #
+class _FakeDeepSpeed:
+    """The deepspeed calls that prepare_model makes.  ``initialize`` does what
+    DeepSpeed's engine does with the device: it makes the GPU of LOCAL_RANK
+    current (or GPU ``makes_current``, as a library gone astray would)."""
+
+    def __init__(self, cuda: FakeCuda, makes_current: int | None):
+        self.cuda, self.makes_current = cuda, makes_current
+        self.local_rank = ""  # LOCAL_RANK as initialize saw it
+
+    def init_distributed(self, **kwargs) -> None:
+        pass
+
+    def initialize(self, model, optimizer, config):
+        self.local_rank = os.environ["LOCAL_RANK"]
+        index = self.makes_current
+        self.cuda.set_device(int(self.local_rank) if index is None else index)
+        return model, optimizer, None, None
+
+
+def _returning(value):
+    """A function of any arguments that returns ``value``."""
+    return lambda *args, **kwargs: value
+
+
+def _slurm_task(monkeypatch, local_rank: int, visible: int, makes_current=None):
+    """The DeepSpeed strategy of Slurm task ``local_rank`` of 2 on a node of 4
+    GPUs, seeing ``visible`` of them, in a process group of 2; the fake
+    DeepSpeed it will call."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    env = {"SLURM_PROCID": local_rank, "SLURM_NTASKS": 2, "SLURM_LOCALID": local_rank}
+    env |= {"SLURM_STEP_ID": 0, "SLURM_NODELIST": "node1", "SLURM_NODEID": 0}
+    env |= {"SLURM_TASKS_PER_NODE": 2, "SLURM_GPUS_ON_NODE": 4}
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+    cuda = FakeCuda(visible).install(monkeypatch)
+    info = du.detect_launch()
+    device = du.select_device("auto", info.local_rank, 2, info.node_gpus)
+    group = {"is_initialized": True, "get_world_size": 2, "get_rank": local_rank}
+    for name, value in {**group, "get_backend": "nccl"}.items():
+        monkeypatch.setattr(torch.distributed, name, _returning(value))
+    fake = _FakeDeepSpeed(cuda, makes_current)
+    monkeypatch.setattr(deepspeed_strategy, "import_deepspeed", lambda device: fake)
+    return deepspeed_strategy.DeepSpeedStrategy(_cfg(), device), fake
+
+
+def test_a_task_bound_to_one_gpu_gives_deepspeed_that_gpu(monkeypatch):
+    """srun --gpus-per-task=1: task 1 of the node sees its one GPU as cuda:0;
+    DeepSpeed, which makes the GPU of LOCAL_RANK current, is given 0 (the local
+    rank, 1, was an invalid device ordinal)."""
+    strategy, deepspeed = _slurm_task(monkeypatch, local_rank=1, visible=1)
+    assert strategy.device == torch.device("cuda", 0)
+    strategy.prepare_model(GpuShyLinear())
+    assert deepspeed.local_rank == "0"
+    assert torch.cuda.current_device() == 0
+
+
+def test_a_gpu_deepspeed_makes_current_other_than_ours_is_an_error(monkeypatch):
+    """Task 1 bound to 2 of the node's 4 GPUs runs on its second, cuda:1; an
+    engine that makes cuda:0 current stops the run, naming both."""
+    strategy, _ = _slurm_task(monkeypatch, local_rank=1, visible=2, makes_current=0)
+    assert strategy.device == torch.device("cuda", 1)
+    with pytest.raises(RuntimeError) as caught:
+        strategy.prepare_model(GpuShyLinear())
+    assert "DeepSpeed made cuda:0 the current device" in str(caught.value)
+    assert "not cuda:1, the one chosen for it" in str(caught.value)
+
+
+def test_the_model_is_copied_for_its_shapes_before_it_moves_to_the_gpu(monkeypatch):
+    """The GPU never holds the model twice: the meta skeleton is copied from
+    the model still on the CPU."""
+    strategy, _ = _slurm_task(monkeypatch, local_rank=0, visible=1)
+    model = GpuShyLinear()
+    strategy.prepare_model(model)
+    assert model.moved_to == torch.device("cuda", 0)
+    assert strategy.skeleton.moved_to is None and strategy.skeleton.weight.is_meta
 
 
 # --- DeepSpeed's files walked before DeepSpeed unpickles them --------------- #

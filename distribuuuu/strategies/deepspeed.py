@@ -9,6 +9,10 @@ accumulation boundaries, clipping and the step.  The engine's config comes from
 our keys (:mod:`distribuuuu.deepspeed_config`) and is written beside
 ``config.yaml``.
 
+The engine makes the GPU of LOCAL_RANK current: :func:`join_group` sets it to
+the index of the device chosen for this process, and the current device is
+checked once the engine is built.
+
 A checkpoint is DeepSpeed's own (``engine.save_checkpoint``: every rank writes
 its partition) in a ``.ds`` folder beside the checkpoint file, which also holds
 the consolidated fp32 weights (and the EMA): the ``.ds`` folder resumes the
@@ -44,7 +48,7 @@ from distribuuuu.checkpoint.deepspeed_files import weights_only_loads
 from distribuuuu.deepspeed_config import DS_CONFIG_FILE, check_nvme, run_config
 from distribuuuu.precision import autocast, resolve_auto_precision
 from distribuuuu.state import EMA, MODEL, SavedRun, deepspeed_entries
-from distribuuuu.strategies.base import MicroBatch, Strategy
+from distribuuuu.strategies.base import MicroBatch, Strategy, check_current_device
 from distribuuuu.strategies.ddp import convert_syncbn
 
 logger = logging.getLogger(__name__)
@@ -82,9 +86,20 @@ def import_deepspeed(device: torch.device):
 
 def join_group(device: torch.device) -> None:
     """What DeepSpeed's engine needs from the launch: LOCAL_RANK in the
-    environment (srun sets SLURM_LOCALID instead), and a process group, of
-    this one process where the run has none."""
-    os.environ.setdefault("LOCAL_RANK", str(du.detect_launch().local_rank))
+    environment, and a process group, of this one process where the run has
+    none.
+
+    DeepSpeed reads LOCAL_RANK as the index of the GPU it makes current (its
+    engine) and allocates on (ZeRO-3): on CUDA it is our device's index, not
+    the launch's local rank, which differs where each task sees only its own
+    GPUs (under ``srun --gpus-per-task=1`` every task's GPU is cuda:0).  On
+    the CPU it is the launch's local rank (srun sets SLURM_LOCALID instead).
+    """
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        os.environ["LOCAL_RANK"] = str(index)
+    else:
+        os.environ.setdefault("LOCAL_RANK", str(du.detect_launch().local_rank))
     if torch.distributed.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -154,15 +169,17 @@ class DeepSpeedStrategy(Strategy):
             release_shm_buffers()
         if self.cfg.MODEL.SYNCBN and du.is_distributed():
             model = convert_syncbn(model, self.device)
-        model = model.to(self.device)
         # The shapes of the whole model, to check loaded weights against (ZeRO
-        # stage 3 leaves the module's parameters empty).
+        # stage 3 leaves the module's parameters empty), copied before the
+        # move: the device never holds the model twice.
         self.skeleton = copy.deepcopy(model).to("meta")
+        model = model.to(self.device)
         optimizer = optim.build_optimizer(model, self.cfg.OPTIM)
         config = run_config(self.cfg, du.get_world_size())
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config
         )
+        check_current_device(self.device, "DeepSpeed")
         return engine
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
