@@ -58,6 +58,27 @@ def _offload(device: str, nvme_path: str) -> dict:
     return section
 
 
+def _precision(name: str) -> dict:
+    """The precision sections for TRAIN.MIXED_PRECISION ``name``: bf16 is
+    torch's autocast over fp32 weights (``torch_autocast``), as under our other
+    strategies.  DeepSpeed's own bf16 and fp16 modes stay off: they cast the
+    parameters but not the buffers (BatchNorm then meets bf16 weights beside
+    fp32 running statistics and fails), and an EMA of bf16 parameters would be
+    kept in bf16, where a small step rounds away.  fp16 is refused (see
+    distribuuuu.config.validation): under torch autocast DeepSpeed 0.19.8's
+    ZeRO takes the norm of, clips and checks for overflow the gradients still
+    scaled by the GradScaler, and skips an overflowing step without lowering
+    the scale (on the CPU, ZeRO-2 skipped every step of a linear layer)."""
+    autocast: dict[str, Any] = {"enabled": name == "bf16"}
+    if name == "bf16":
+        autocast["dtype"] = "bfloat16"
+    return {
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+        "torch_autocast": autocast,
+    }
+
+
 def generated_config(cfg: CfgNode, world_size: int) -> dict:
     """The DeepSpeed config that our keys give, for ``world_size`` processes."""
     ds = cfg.DIST.DEEPSPEED
@@ -68,15 +89,13 @@ def generated_config(cfg: CfgNode, world_size: int) -> dict:
         "offload_optimizer": _offload(ds.OFFLOAD_OPTIMIZER, ds.NVME_PATH),
         "offload_param": _offload(ds.OFFLOAD_PARAMS, ds.NVME_PATH),
     }
-    precision = cfg.TRAIN.MIXED_PRECISION
     micro, accum = cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.ACCUM_STEPS
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "train_batch_size": micro * accum * world_size,
         "gradient_clipping": float(cfg.OPTIM.CLIP_GRAD_NORM),
-        "bf16": {"enabled": precision == "bf16"},
-        "fp16": {"enabled": precision == "fp16"},
+        **_precision(cfg.TRAIN.MIXED_PRECISION),
         "zero_optimization": zero,
         # Our optimizers (SGD, AdamW) are torch's, not DeepSpeed's fused ones,
         # offloaded too (DeepSpeed's CPU Adam would change the update).
@@ -95,6 +114,7 @@ _SOURCES = {
     "gradient_clipping": "OPTIM.CLIP_GRAD_NORM",
     "bf16": "TRAIN.MIXED_PRECISION",
     "fp16": "TRAIN.MIXED_PRECISION",
+    "torch_autocast": "TRAIN.MIXED_PRECISION",
     "zero_optimization.stage": "DIST.DEEPSPEED.ZERO_STAGE",
     "zero_optimization.offload_optimizer": "DIST.DEEPSPEED.OFFLOAD_OPTIMIZER",
     "zero_optimization.offload_param": "DIST.DEEPSPEED.OFFLOAD_PARAMS",

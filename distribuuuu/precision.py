@@ -60,10 +60,10 @@ def auto_precision(
 
 
 def fp16_allowed(cfg: CfgNode) -> bool:
-    """Whether the run's strategy takes fp16 (FSDP, the pipeline and tensor
-    parallelism refuse it: see distribuuuu.config.validation)."""
-    refused = cfg.DIST.STRATEGY in ("fsdp", "pipeline") or cfg.DIST.TENSOR_PARALLEL > 1
-    return not refused
+    """Whether the run's strategy takes fp16 (FSDP, the pipeline, DeepSpeed and
+    tensor parallelism refuse it: see distribuuuu.config.validation)."""
+    refused = cfg.DIST.STRATEGY in ("fsdp", "pipeline", "deepspeed")
+    return not (refused or cfg.DIST.TENSOR_PARALLEL > 1)
 
 
 def resolve_auto_precision(cfg: CfgNode, device: torch.device) -> None:

@@ -6,6 +6,7 @@ anything is written."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 from fake_devices import FakeCuda, GpuShyLinear
 from helpers import (
+    TINY,
+    TINY_VAL_SIZE,
     TRAIN_NET,
     assert_ok,
     free_port,
@@ -25,6 +28,7 @@ from helpers import (
 
 from distribuuuu import distributed as du
 from distribuuuu.deepspeed_config import generated_config, merge
+from distribuuuu.precision import auto_precision, fp16_allowed
 from distribuuuu.strategies import deepspeed as deepspeed_strategy
 from distribuuuu.strategies.deepspeed import deepspeed_installed
 
@@ -48,6 +52,20 @@ def _final(out: str) -> tuple[dict, dict]:
 def _ema(out: str) -> dict:
     path = os.path.join(out, "checkpoints", "ckpt_ep_0001.pth")
     return torch.load(path, weights_only=True)["ema"]
+
+
+def _assert_best_ema_is_the_average(out: str) -> None:
+    """best_ema.pth of a one-epoch run (its evaluation is the best so far)
+    holds the EMA of the epoch-1 checkpoint, not the raw weights of best.pth."""
+    ema = _ema(out)
+    best_ema, best = (
+        torch.load(os.path.join(out, name), weights_only=True)["model"]
+        for name in ("best_ema.pth", "best.pth")
+    )
+    for name, average in ema.items():
+        torch.testing.assert_close(best_ema[name], average, rtol=0, atol=0)
+    gap = max((best[name] - ema[name]).abs().max().item() for name in ema)
+    assert gap > 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +130,7 @@ def test_zero_stages_train_like_ddp(tmp_path, ddp_run, stage, offload, more):
         ema, expected_ema = _ema(out), _ema(reference)
         for key, value in expected_ema.items():
             torch.testing.assert_close(ema[key], value, rtol=0, atol=1e-5)
+        _assert_best_ema_is_the_average(out)
     assert val["loss"] == pytest.approx(expected_val["loss"], rel=1e-4)
     assert val["samples"] == 1000
     with open(os.path.join(out, "ds_config.json"), encoding="utf-8") as f:
@@ -129,6 +148,48 @@ def test_zero_stages_train_like_ddp(tmp_path, ddp_run, stage, offload, more):
     assert f"strategy deepspeed ZeRO-{stage}" in result.stdout
     assert "MiB of gradients" in result.stdout
     assert "MiB of optimizer state on the fullest process" in result.stdout
+
+
+@needs_deepspeed
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bf16_trains_batchnorm_and_keeps_the_ema_in_fp32(tmp_path):
+    """resnet8 (BatchNorm) in bf16 on 2 ranks trains: autocast over fp32
+    weights, where DeepSpeed's bf16 mode failed in BatchNorm ("expected scalar
+    type BFloat16 but found Float"); the EMA is averaged in fp32 (in bf16 a
+    small step rounds away) and best_ema.pth holds it."""
+    out = str(tmp_path)
+    keys = [*TINY, "MODEL.ARCH", "resnet8", *DEEPSPEED, "MODEL.EMA", "True"]
+    keys += ["TRAIN.MIXED_PRECISION", "bf16"]
+    assert_ok(torchrun(2, *keys, "OUT_DIR", out, timeout=1200))
+    val = read_metrics(out, "val")[-1]
+    assert val["samples"] == TINY_VAL_SIZE and math.isfinite(val["loss"])
+    weights, ema = _final(out)[0], _ema(out)
+    assert {tensor.dtype for tensor in ema.values()} == {torch.float32}
+    assert {t.dtype for t in weights.values() if t.is_floating_point()} == {
+        torch.float32
+    }
+    _assert_best_ema_is_the_average(out)
+    with open(os.path.join(out, "ds_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    assert not config["bf16"]["enabled"] and not config["fp16"]["enabled"]
+
+
+@needs_deepspeed
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_default_precision_trains_batchnorm_on_a_gpu(tmp_path):
+    """TRAIN.MIXED_PRECISION auto (bf16 from Ampere on) on one GPU: the engine
+    keeps the GPU chosen and resnet8 with an EMA trains."""
+    out = str(tmp_path)
+    keys = [*TINY, "MODEL.ARCH", "resnet8", *DEEPSPEED, "MODEL.EMA", "True"]
+    result = train_net(*keys, "DEVICE", "cuda", "OUT_DIR", out, timeout=1200)
+    assert_ok(result)
+    assert read_metrics(out, "val")[-1]["samples"] == TINY_VAL_SIZE
+    assert {tensor.dtype for tensor in _ema(out).values()} == {torch.float32}
+    _assert_best_ema_is_the_average(out)
 
 
 @needs_deepspeed
@@ -262,11 +323,23 @@ def _json(tmp_path, text: str) -> str:
             ["DIST.DEEPSPEED.ZERO_STAGE", "3", "MODEL.EMA", "True"],
             "MODEL.EMA True is invalid: is not supported with DIST.DEEPSPEED",
         ),
+        (
+            ["TRAIN.MIXED_PRECISION", "fp16"],
+            "'fp16' is invalid: is not supported with DIST.STRATEGY deepspeed",
+        ),
     ],
-    ids=["stage", "offload", "params-offload", "nvme", "zero3-ema"],
+    ids=["stage", "offload", "params-offload", "nvme", "zero3-ema", "fp16"],
 )
 def test_bad_keys_are_refused(tmp_path, keys, words):
     assert words in _refused(tmp_path, *keys)
+
+
+def test_auto_precision_before_ampere_is_fp32_not_fp16():
+    """fp16 is refused under DeepSpeed, so TRAIN.MIXED_PRECISION auto on a
+    V100 (compute capability 7.0) trains in fp32; bf16 from Ampere on."""
+    allowed, gpu = fp16_allowed(_cfg()), torch.device("cuda", 0)
+    assert auto_precision(gpu, allowed, lambda _: (7, 0)) == "none"
+    assert auto_precision(gpu, allowed, lambda _: (8, 0)) == "bf16"
 
 
 def test_nvme_path_that_is_not_a_writable_directory(tmp_path):
@@ -374,7 +447,10 @@ def test_generated_config_follows_our_keys():
     assert config["gradient_accumulation_steps"] == 4
     assert config["train_batch_size"] == 16 * 4 * 8
     assert config["gradient_clipping"] == 2.5
-    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    # Autocast over fp32 weights; DeepSpeed's bf16 mode casts the parameters
+    # but not BatchNorm's buffers.
+    assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    assert config["bf16"] == config["fp16"] == {"enabled": False}
     zero = config["zero_optimization"]
     assert zero["stage"] == 3
     assert zero["offload_param"] == {"device": "nvme", "nvme_path": "/nvme"}
@@ -396,6 +472,8 @@ def test_merge_adds_what_we_have_no_key_for_and_accepts_agreeing_values():
         merge(ours, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
     with pytest.raises(ValueError, match="fp16.enabled 1 contradicts"):
         merge(ours, {"fp16": {"enabled": 1}})  # 1 is not false, nor true
+    with pytest.raises(ValueError, match="torch_autocast.enabled true contradicts"):
+        merge(ours, {"torch_autocast": {"enabled": True}})
 
 
 # --- the GPU DeepSpeed is given (fakes: DeepSpeed's engine cannot be built

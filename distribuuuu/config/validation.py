@@ -410,6 +410,14 @@ def _validate_deepspeed(cfg: CfgNode) -> None:
         f"needs DIST.DEEPSPEED.ZERO_STAGE 3 (not {ds.ZERO_STAGE}): only stage 3 "
         "partitions the parameters",
     )
+    _check(
+        cfg.TRAIN.MIXED_PRECISION != "fp16",
+        "TRAIN.MIXED_PRECISION",
+        "fp16",
+        "is not supported with DIST.STRATEGY deepspeed (under autocast, DeepSpeed "
+        "0.19's ZeRO skips steps on loss-scaled gradients, never lowering the "
+        "scale); use bf16",
+    )
     if ds.ZERO_STAGE == 3:
         _unsupported(
             cfg,

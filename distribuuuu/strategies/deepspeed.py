@@ -7,7 +7,9 @@ parameter groups) and our schedule sets its learning rate each step;
 ``deepspeed.initialize`` wraps both, and the engine runs backward, the
 accumulation boundaries, clipping and the step.  The engine's config comes from
 our keys (:mod:`distribuuuu.deepspeed_config`) and is written beside
-``config.yaml``.
+``config.yaml``.  Mixed precision is torch's autocast over fp32 weights, as
+under the other strategies (DeepSpeed's ``torch_autocast`` section), so the
+module's parameters, its BatchNorm buffers and an EMA of them stay fp32.
 
 The engine makes the GPU of LOCAL_RANK current: :func:`join_group` sets it to
 the index of the device chosen for this process, and the current device is
@@ -211,8 +213,11 @@ class DeepSpeedStrategy(Strategy):
         params = sum(t.numel() * t.element_size() for t in mine)
         grads = params if self.stage == 1 else partition * 4
         per = optim.state_tensors(self.cfg.OPTIM)
-        # fp32 master weights beside low-precision ones (mixed precision).
-        masters = partition if self.amp_dtype is not None else 0
+        # The optimizer's fp32 partition of the weights, a copy beside the
+        # module's (fp32) parameters, whatever the precision (autocast), except
+        # where stage 3 steps the parameters' own partition in place.
+        copied = self.stage != 3 or self.cfg.DIST.DEEPSPEED.OFFLOAD_OPTIMIZER != "none"
+        masters = partition if copied else 0
         state = (partition * per + masters) * 4
         return {
             "parameters_mb": params / 2**20,
@@ -239,13 +244,25 @@ class DeepSpeedStrategy(Strategy):
 
     # --- state in our checkpoint layout ---------------------------------- #
     def model_state_dict(self, model: nn.Module) -> dict:
-        """The whole model in fp32 (the optimizer's master weights) on rank 0's
-        CPU ({} elsewhere); a collective."""
+        """The whole model in fp32 as the module holds it, on rank 0's CPU ({}
+        elsewhere); a collective under stage 3.
+
+        ZeRO 1 and 2 keep the module's parameters whole and in fp32 (mixed
+        precision is torch's autocast), equal to the optimizer's fp32 partitions
+        after each step: they are read as they are, so that the EMA swapped
+        into them (best_ema.pth) is what is saved.  Stage 3 (no EMA) gathers
+        its partitions of the optimizer's fp32 weights.
+        """
         from deepspeed.utils import safe_get_full_fp32_param
 
         module = model.module
-        params = dict(module.named_parameters())
         keep = du.is_main_process()
+        if self.stage != 3:
+            if not keep:
+                return {}
+            weights = module.state_dict().items()
+            return {name: tensor.detach().cpu().clone() for name, tensor in weights}
+        params = dict(module.named_parameters())
         whole = {}
         for name, tensor in module.state_dict(keep_vars=True).items():
             if name in params:  # every rank takes part in the gather
