@@ -336,9 +336,15 @@ def torch_pickle_of(file: BinaryIO) -> bytes:
     reader = torch._C.PyTorchFileReader(file)
     if "constants.pkl" in reader.get_all_records():
         raise ZipLayoutError("it is a TorchScript archive, which torch.load would run")
-    if reader.get_record_size("data.pkl") > _MAX_PICKLE_BYTES:
+    pickled = None
+    if hasattr(reader, "get_record_size"):
+        size = reader.get_record_size("data.pkl")
+    else:  # torch 2.11 tells no size before reading (at most the file's)
+        pickled = reader.get_record("data.pkl")
+        size = len(pickled)
+    if size > _MAX_PICKLE_BYTES:
         raise ZipLayoutError(f"its pickle is over {_MAX_PICKLE_BYTES >> 20} MiB")
-    return reader.get_record("data.pkl")
+    return reader.get_record("data.pkl") if pickled is None else pickled
 
 
 def _check_file(path: str) -> None:
