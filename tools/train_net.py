@@ -19,7 +19,12 @@ import sys
 from yacs.config import CfgNode
 
 from distribuuuu import cli, job, preflight, run_lock, worker_server
-from distribuuuu.config import format_cfg, format_config_reference, load_cfg
+from distribuuuu.config import (
+    format_cfg,
+    format_config_reference,
+    merge_cfg,
+    validate_cfg,
+)
 
 EXIT_CODES = """exit codes:
   0    done
@@ -129,13 +134,17 @@ def load_and_check(args: argparse.Namespace) -> CfgNode:
 
     With --print-config only loaded and validated.  Raises ConfigError.
     """
-    cfg = load_cfg(args.cfg_file, args.opts)
+    cfg = merge_cfg(args.cfg_file, args.opts)
+    # Loader workers come from a fork server: its imports (torch) overlap
+    # this process's own, which start with the validation.
+    workers = cfg.TRAIN.WORKERS
+    one_process = args.num_procs == 1 and not args.print_config
+    if one_process and isinstance(workers, int) and workers > 0:
+        worker_server.start_worker_server()
+    validate_cfg(cfg)
+    cfg.freeze()
     if args.print_config:
         return cfg
-    if cfg.TRAIN.WORKERS > 0 and args.num_procs == 1:
-        # Loader workers come from a fork server: its imports (torch) now
-        # overlap this process's own and the checks.
-        worker_server.start_worker_server()
     preflight.check_launch(cfg, args.num_procs)
     world_size = job.job_world_size(args.num_procs)
     if not args.eval_only:

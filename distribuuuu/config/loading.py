@@ -303,12 +303,18 @@ def _default_or_none(key: str) -> Any:
         return None
 
 
-def load_cfg(cfg_file: str | None = None, opts: list[str] | None = None) -> CfgNode:
-    """Build the frozen run config: defaults, file, overrides, validation."""
+def merge_cfg(cfg_file: str | None = None, opts: list[str] | None = None) -> CfgNode:
+    """Defaults, file and overrides, not yet validated (which imports torch)."""
     cfg = get_cfg()
     if cfg_file:
         merge_from_file(cfg, cfg_file)
     merge_from_list(cfg, list(opts or []))
+    return cfg
+
+
+def load_cfg(cfg_file: str | None = None, opts: list[str] | None = None) -> CfgNode:
+    """Build the frozen run config: defaults, file, overrides, validation."""
+    cfg = merge_cfg(cfg_file, opts)
     validate_cfg(cfg)
     cfg.freeze()
     return cfg
