@@ -13,11 +13,13 @@ setup(
     + ["distribuuuu.tools"],
     package_dir={"distribuuuu.tools": "tools"},
     python_requires=">=3.10",
-    # Unpinned above what we need: never ask for a torch newer than the one the
-    # machine resolves (pip's constraints decide the exact release).
+    # The floor is the oldest pair CI proves: .ci/run runs the fast subset on
+    # torch 2.11.0 with torchvision 0.26.0 (the GPU machine's pair) beside the
+    # main suite on the newest.  Unpinned above: never ask for a torch newer
+    # than the one the machine resolves (pip's constraints decide the release).
     install_requires=[
-        "torch>=2.4",
-        "torchvision>=0.19",
+        "torch>=2.11.0",
+        "torchvision>=0.26.0",
         "numpy",
         "pyyaml",
         "yacs>=0.1.8",
