@@ -30,9 +30,9 @@ import multiprocessing
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 
-# What the server imports once, before it forks any worker (torch,
-# torchvision, PIL and our data code come with it).
-PRELOAD = ["distribuuuu.data"]
+# What the server imports once, before it forks any worker: our data code
+# (with torch, torchvision and PIL), and a quick exit for the server.
+PRELOAD = ["distribuuuu.worker_preload"]
 
 
 def worker_context() -> BaseContext:
