@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 
@@ -14,3 +15,26 @@ def pytest_configure(config) -> None:
     machine more threads would only wait for each other."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+# The skip reasons of tests that run on CUDA only.
+NEEDS_CUDA = ("needs CUDA", "needs 2 or more CUDA")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test that skips without CUDA must carry the ``cuda`` marker, so that
+    ``pytest -m cuda`` (tools/gpu_check.sh on the GPU machine) runs it."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("cuda") is None
+        and any(
+            str(mark.kwargs.get("reason", "")).startswith(NEEDS_CUDA)
+            for mark in item.iter_markers("skipif")
+        )
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests skip without CUDA but lack @pytest.mark.cuda: "
+            + ", ".join(unmarked)
+        )

@@ -115,6 +115,7 @@ def test_setup_single_process_picks_cpu_without_group(monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_auto_device_is_cuda_local_rank():
     assert du.select_device("auto", 0) == torch.device("cuda", 0)

@@ -102,6 +102,7 @@ def test_dp_replicas_compute_in_the_callers_dtype_in_their_threads(monkeypatch):
     assert probe.seen[-1] == torch.float32
 
 
+@pytest.mark.cuda
 @needs_two_gpus
 def test_dp_replicas_compute_in_bf16_on_gpus():
     device = torch.device("cuda", 0)
@@ -455,6 +456,7 @@ def _gpu_run(out: str, extra: str, processes: int = 1):
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize(
     "extra",
@@ -471,6 +473,7 @@ def test_one_gpu_trains(tmp_path, extra):
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 @needs_cuda
 def test_deterministic_gpu_runs_repeat_bitwise(tmp_path):
     weights = []
@@ -483,6 +486,7 @@ def test_deterministic_gpu_runs_repeat_bitwise(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 @needs_two_gpus
 @pytest.mark.parametrize(
     "extra",
@@ -501,6 +505,7 @@ def test_two_gpus_train_with_nccl(tmp_path, extra):
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 @needs_two_gpus
 def test_dp_bf16_run_on_two_gpus(tmp_path):
     out = str(tmp_path / "out")

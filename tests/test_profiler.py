@@ -153,6 +153,7 @@ def test_cuda_kernels_are_recorded_on_a_cuda_device_only():
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_gpu_run_logs_the_top_operators_by_cuda_time(tmp_path):
     out = str(tmp_path)
