@@ -266,8 +266,8 @@ def train_run_rules(
     """
     import torch.multiprocessing as mp
 
-    from distribuuuu.distributed import DistributedSetupError
-    from distribuuuu.peers import PeerLostError
+    from distribuuuu.dist.group import DistributedSetupError
+    from distribuuuu.dist.peers import PeerLostError
 
     def process_failed(error: BaseException) -> str:
         """The line of a failed --num-procs process: its number and error."""
@@ -295,9 +295,9 @@ def checkpoint_tool_rules() -> tuple[ErrorExit, ...]:
     from distribuuuu.checkpoint import OutputPathError
     from distribuuuu.config import ConfigError
     from distribuuuu.data import DataError
-    from distribuuuu.export import MismatchError
-    from distribuuuu.inference import CheckpointError
-    from distribuuuu.onnx_model import OnnxError
+    from distribuuuu.inference.export import MismatchError
+    from distribuuuu.inference.onnx import OnnxError
+    from distribuuuu.inference.read import CheckpointError
 
     unusable = (CheckpointError, ConfigError, DataError, OnnxError, OutputPathError)
     return (  # not run under a launcher: every process reports

@@ -29,14 +29,14 @@ def is_launched() -> bool:
 
 def job_world_size(num_procs: int) -> int:
     """Processes of the job: ``num_procs`` (--num-procs), or what the launcher says."""
-    from distribuuuu.distributed import detect_launch
+    from distribuuuu.dist.group import detect_launch
 
     return num_procs if num_procs > 1 else detect_launch().world_size
 
 
 def _train_or_evaluate(cfg: CfgNode, eval_only: bool, dry_run: bool = False) -> None:
     """Train or evaluate ``cfg`` in this process (one rank of the job)."""
-    from distribuuuu import trainer  # imports torch: after the config checks
+    from distribuuuu.engine import trainer  # imports torch: after the config checks
 
     if dry_run:
         trainer.dry_run(cfg)
@@ -50,7 +50,7 @@ def _train_or_evaluate(cfg: CfgNode, eval_only: bool, dry_run: bool = False) -> 
                 signal.signal(signum, signal.SIG_IGN)
             raise SystemExit(128 + stats["stopped_by"])
         return
-    from distribuuuu.evaluation import evaluate_checkpoint
+    from distribuuuu.engine.evaluation import evaluate_checkpoint
 
     stats = evaluate_checkpoint(cfg)
     if is_rank_zero():
@@ -70,8 +70,8 @@ def rank_main(cfg: CfgNode, eval_only: bool, dry_run: bool = False) -> None:
     groups before the interpreter exits (not one that failed: a peer may still
     hang in a collective).
     """
-    from distribuuuu.distributed import release_groups
-    from distribuuuu.peers import peer_failure
+    from distribuuuu.dist.group import release_groups
+    from distribuuuu.dist.peers import peer_failure
 
     try:
         _train_or_evaluate(cfg, eval_only, dry_run)
@@ -105,7 +105,7 @@ def run_job(
     cfg: CfgNode, num_procs: int = 1, eval_only: bool = False, dry_run: bool = False
 ) -> None:
     """Run ``cfg`` (:func:`rank_main`) here, or in ``num_procs`` local processes."""
-    from distribuuuu.launch import spawn
+    from distribuuuu.dist.spawn import spawn
 
     if num_procs > 1:
         spawn(num_procs, rank_main, (cfg, eval_only, dry_run))

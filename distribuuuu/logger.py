@@ -1,4 +1,4 @@
-"""Logging: console on rank 0, a log file per rank, JSON lines and trackers.
+"""Logging: console on rank 0 and a log file per rank.
 
 On an interactive terminal rank 0's console also keeps a live status line (a
 progress bar) below the log; records marked ``extra={STATUS_LINE: True}`` go
@@ -9,17 +9,13 @@ and no status line, so logs hold no carriage returns.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import sys
 import time
 
-from distribuuuu.trackers import TensorboardTracker, open_to_append
-
 PACKAGE_LOGGER = "distribuuuu"
-METRICS_FILE = "metrics.jsonl"
 # Attribute of records that a live status line shows instead of the console.
 STATUS_LINE = "status_line"
 # A record with this attribute set goes to the log files only (tracebacks).
@@ -134,85 +130,3 @@ def setup_logging(out_dir: str | None, rank: int) -> logging.Logger:
         to_file.setFormatter(formatter)
         logger.addHandler(to_file)
     return logger
-
-
-class MetricsWriter:
-    """Appends records to ``OUT_DIR/metrics.jsonl`` and hands them to the
-    experiment trackers (:mod:`distribuuuu.trackers`; tensorboard in
-    ``OUT_DIR/tb`` unless ``trackers`` says otherwise).
-
-    Only the main process writes; on other ranks every call is a no-op.
-    """
-
-    def __init__(self, out_dir: str, enabled: bool, trackers: list | None = None):
-        self.enabled = enabled
-        self._file = None
-        self.trackers = []
-        if enabled:
-            os.makedirs(out_dir, exist_ok=True)
-            # Never through a link: one planted there is set aside with a warning.
-            self._file = open_to_append(os.path.join(out_dir, METRICS_FILE))
-            default = trackers is None
-            self.trackers = [TensorboardTracker(out_dir)] if default else trackers
-
-    def start(self, run_ids: dict[str, str]) -> None:
-        """Begin the trackers' runs, continuing those of ``run_ids`` (tracker
-        name -> run id, from the checkpoint resumed)."""
-        for tracker in self.trackers:
-            tracker.start(run_ids.get(tracker.name))
-
-    def run_ids(self) -> dict[str, str]:
-        """The trackers' run ids, for the checkpoint (empty on other ranks)."""
-        ids = {tracker.name: tracker.run_id for tracker in self.trackers}
-        return {name: run_id for name, run_id in ids.items() if run_id}
-
-    def write(self, record: dict, scalars: dict | None = None, step: int = 0) -> None:
-        """Append one JSON record; log ``scalars`` (tag -> value) at ``step``.
-
-        The trackers get the records that have scalars (train windows and
-        evaluations).
-        """
-        if not self.enabled:
-            return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if scalars:
-            for tracker in self.trackers:
-                tracker.log(record, scalars, step)
-
-    def wrote_file(self, path: str) -> None:
-        """Tell the trackers that this run has just written ``path`` (best
-        weights), which they may upload at the end."""
-        for tracker in self.trackers:
-            tracker.wrote_file(path)
-
-    def image(self, tag: str, image, step: int = 0) -> None:
-        """Log an HxWx3 uint8 image (a numpy array)."""
-        for tracker in self.trackers:
-            tracker.image(tag, image, step)
-
-    def histogram(self, tag: str, values, step: int = 0) -> None:
-        """Log the distribution of ``values``."""
-        for tracker in self.trackers:
-            tracker.histogram(tag, values, step)
-
-    def text(self, tag: str, text: str, step: int = 0) -> None:
-        """Log a text (tensorboard shows it as markdown)."""
-        for tracker in self.trackers:
-            tracker.text(tag, text, step)
-
-    def hparams(self, hparams: dict, metrics: dict) -> None:
-        """Log a run's hyper-parameters with its final metrics (tensorboard's
-        hparams tab; the others have the config as params already)."""
-        for tracker in self.trackers:
-            tracker.hparams(hparams, metrics)
-
-    def close(self, status: str = "FINISHED") -> None:
-        """Flush and close the files; end the trackers' runs with ``status``
-        (FINISHED, FAILED or KILLED: stopped by a signal, to be resumed)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        trackers, self.trackers = self.trackers, []
-        for tracker in trackers:
-            tracker.close(status)

@@ -6,7 +6,7 @@ GPUs), the inputs the cfg names (data folders, MODEL.WEIGHTS, checkpoints
 already in OUT_DIR), the packages of LOG.TRACKERS, the batch against the
 training images, and OUT_DIR itself (not the root of the file system,
 created and proved writable, and, for training, locked by rank 0 for the
-run: :mod:`distribuuuu.run_lock`).  An unusable input thus ends the run with
+run: :mod:`distribuuuu.engine.run_lock`).  An unusable input thus ends the run with
 exit code 2 and one line, before any file is written.
 
 torch and the modules that import it are imported inside the checks that
@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 from yacs.config import CfgNode
 
-from distribuuuu import run_lock
 from distribuuuu.cli import is_rank_zero
 from distribuuuu.config import ConfigError
+from distribuuuu.engine import run_lock
 from distribuuuu.job import is_launched
 
 if TYPE_CHECKING:  # torch only for the annotations: imported where it is used
@@ -59,7 +59,7 @@ def check_weights(
     re-initialised).
     """
     from distribuuuu import checkpoint as cp
-    from distribuuuu.inference import CheckpointError, read_checkpoint
+    from distribuuuu.inference.read import CheckpointError, read_checkpoint
 
     try:
         weights = read_checkpoint(path).weights
@@ -83,7 +83,7 @@ def check_launch(cfg: CfgNode, num_procs: int = 1) -> None:
     """
     import torch
 
-    from distribuuuu.distributed import LaunchError, detect_launch, gpu_index
+    from distribuuuu.dist.group import LaunchError, detect_launch, gpu_index
     from distribuuuu.strategies import strategy_class
 
     if cfg.DEVICE == "cuda" and not torch.cuda.is_available():
@@ -160,7 +160,7 @@ _TRAIN_IMAGES = {"mnist5k": 4000, "cifar10": 50_000, "cifar100": 50_000}
 
 def check_trackers(cfg: CfgNode) -> None:
     """The packages of LOG.TRACKERS import (mlflow, wandb)."""
-    from distribuuuu.trackers import missing_package
+    from distribuuuu.reporting.trackers import missing_package
 
     missing = missing_package(cfg)
     if missing:

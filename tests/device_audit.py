@@ -45,7 +45,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from distribuuuu import distributed as du
+from distribuuuu.dist import group as du
 
 aten = torch.ops.aten
 

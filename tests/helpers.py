@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distribuuuu.distributed import release_groups
-from distribuuuu.launch import find_free_port
+from distribuuuu.dist.group import release_groups
+from distribuuuu.dist.spawn import find_free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_NET = os.path.join(REPO, "tools", "train_net.py")
@@ -259,7 +259,7 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> N
     finally:
         dist.destroy_process_group()
         # Device meshes keep gloo groups alive past exit, which can abort the
-        # finished process (see distribuuuu.distributed.release_groups).
+        # finished process (see distribuuuu.dist.group.release_groups).
         release_groups()
 
 

@@ -10,10 +10,10 @@ import torch
 from helpers import FAST, assert_ok, read_metrics, train_net
 
 from distribuuuu import checkpoint as cp
-from distribuuuu.averaging import average_checkpoints, select_checkpoints
-from distribuuuu.inference import read_checkpoint
+from distribuuuu.checkpoint.format import best_weights
+from distribuuuu.inference.average import average_checkpoints, select_checkpoints
+from distribuuuu.inference.read import read_checkpoint
 from distribuuuu.models import build_model
-from distribuuuu.state import best_weights
 from distribuuuu.tools import average_checkpoints as tool
 from distribuuuu.tools import inspect_ckpt
 

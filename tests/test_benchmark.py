@@ -12,7 +12,7 @@ import sys
 import pytest
 from helpers import REPO, assert_ok, run_command
 
-from distribuuuu.pipeline_bubble import format_bubble, measure_bubble
+from distribuuuu.bench.pipeline_bubble import format_bubble, measure_bubble
 
 # Loaded from this checkout's file: distribuuuu.tools maps to the installed one.
 _SPEC = importlib.util.spec_from_file_location(

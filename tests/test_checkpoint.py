@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distribuuuu import checkpoint as cp
-from distribuuuu.state import capture_rng_state, restore_rng_state
+from distribuuuu.checkpoint.format import capture_rng_state, restore_rng_state
 
 
 def _state(epoch: int) -> dict:

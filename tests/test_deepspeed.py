@@ -26,11 +26,11 @@ from helpers import (
     train_net,
 )
 
-from distribuuuu import distributed as du
-from distribuuuu.deepspeed_config import generated_config, merge
-from distribuuuu.precision import auto_precision, fp16_allowed
+from distribuuuu.dist import group as du
 from distribuuuu.strategies import deepspeed as deepspeed_strategy
 from distribuuuu.strategies.deepspeed import deepspeed_installed
+from distribuuuu.strategies.deepspeed_config import generated_config, merge
+from distribuuuu.strategies.precision import auto_precision, fp16_allowed
 
 # CI installs the dev extra, which brings DeepSpeed: there the tests must run.
 needs_deepspeed = pytest.mark.skipif(

@@ -62,8 +62,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.config import load_cfg
-from distribuuuu.meters import MetricSums
 from distribuuuu.models import build_model, vit
+from distribuuuu.reporting.meters import MetricSums
 from distribuuuu.strategies import base, build_strategy, dp, pipeline
 
 WORLD_SIZE = 4
@@ -284,7 +284,7 @@ def test_the_audit_flags_host_tensors_on_the_main_group_only():
     control group it is not; a meta one is never."""
     audit = CollectiveAudit()
     with audit.recording(), fake_rank(1, WORLD_SIZE):
-        from distribuuuu import distributed as du
+        from distribuuuu.dist import group as du
 
         audit.phase = "check"
         dist.broadcast(torch.zeros(2), 0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import TINY, assert_ok, refused, torchrun
 
-from distribuuuu.losses import Distillation, Distilled, TrainLoss
+from distribuuuu.engine.losses import Distillation, Distilled, TrainLoss
 from distribuuuu.models import build_model
 
 STUDENT = torch.tensor([[1.0, 0.0]])

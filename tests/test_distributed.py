@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distribuuuu import distributed as du
+from distribuuuu.dist import group as du
 
 
 @pytest.mark.parametrize(

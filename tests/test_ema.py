@@ -23,10 +23,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distribuuuu import checkpoint as cp
-from distribuuuu.ema import ModelEma, warmed_up_decay
 from distribuuuu.models import build_model
+from distribuuuu.models.ema import ModelEma, warmed_up_decay
+from distribuuuu.models.syncbn import recompute_bn_statistics
 from distribuuuu.strategies.base import step_optimizer
-from distribuuuu.syncbn import recompute_bn_statistics
 
 # resnet8 (BatchNorm: buffers are averaged too) on a few synthetic images:
 # 4 steps per epoch, a checkpoint every 3 steps, every checkpoint kept.

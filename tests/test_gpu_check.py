@@ -23,8 +23,8 @@ from helpers import (
     train_net,
 )
 
-from distribuuuu import numerics
-from distribuuuu.distributed import release_groups
+from distribuuuu.dist.group import release_groups
+from distribuuuu.engine import numerics
 from distribuuuu.models import build_model
 from distribuuuu.strategies.base import clip_gradients
 from distribuuuu.strategies.fsdp import shard_fully

@@ -29,11 +29,12 @@ from helpers import train_net as train_net_command
 from torch import nn
 
 from distribuuuu import checkpoint as cp
-from distribuuuu import distributed as du
-from distribuuuu import precision, session
-from distribuuuu import state as run_state
+from distribuuuu.checkpoint import format as run_state
 from distribuuuu.config import get_cfg
-from distribuuuu.launch import spawn
+from distribuuuu.dist import group as du
+from distribuuuu.dist.spawn import spawn
+from distribuuuu.engine import session
+from distribuuuu.strategies import precision
 from distribuuuu.strategies.dp import AutocastDataParallel
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from distribuuuu import losses
-from distribuuuu.ema import ModelEma
-from distribuuuu.losses import TrainLoss, build_mixer, host_to_device
-from distribuuuu.meters import ConfusionMatrix
+from distribuuuu.engine import losses
+from distribuuuu.engine.losses import TrainLoss, build_mixer, host_to_device
+from distribuuuu.models.ema import ModelEma
+from distribuuuu.reporting.meters import ConfusionMatrix
 from distribuuuu.strategies.base import step_optimizer
 
 

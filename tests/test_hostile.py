@@ -413,7 +413,7 @@ def _failing_train_model(cfg):
 def test_any_runtime_error_is_one_line_and_logged(
     cli, monkeypatch, capsys, tmp_path, rank
 ):
-    from distribuuuu import trainer
+    from distribuuuu.engine import trainer
     from distribuuuu.logger import setup_logging
 
     monkeypatch.setattr(trainer, "train_model", _failing_train_model)

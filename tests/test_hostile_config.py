@@ -35,7 +35,7 @@ from test_hostile import (
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.config import MAX_YAML_BYTES, dump_cfg, get_cfg, load_cfg
-from distribuuuu.inference import CheckpointError, read_checkpoint, saved_cfg
+from distribuuuu.inference.read import CheckpointError, read_checkpoint, saved_cfg
 from distribuuuu.preflight import check_batch_fits
 
 

@@ -48,7 +48,7 @@ from distribuuuu.data import (
 )
 from distribuuuu.data import datasets as ds
 from distribuuuu.data.jpeg import JpegFile, jpeg_bytes, jpeg_header, read_or_defer
-from distribuuuu.predict import find_images
+from distribuuuu.inference.predict import find_images
 from distribuuuu.tools import predict
 
 __all__ = ["out_dir", "trained_out_dir"]  # fixtures, from test_hostile

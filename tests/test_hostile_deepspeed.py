@@ -31,8 +31,8 @@ from test_hostile import assert_one_error_line, snapshot
 
 from distribuuuu.checkpoint import RefusedCheckpointError, check_deepspeed_files
 from distribuuuu.checkpoint.deepspeed_files import torch_pickle_of, weights_only_loads
+from distribuuuu.checkpoint.format import DEEPSPEED, DEEPSPEED_LAYOUT
 from distribuuuu.config import get_cfg
-from distribuuuu.state import DEEPSPEED, DEEPSPEED_LAYOUT
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed_files"
 # Every kind of file, as (layout folder, file name).
@@ -353,7 +353,7 @@ def test_resume_loads_deepspeeds_files_weights_only(deepspeed_loader, tmp_path):
     """DeepSpeedStrategy.load_weights, the check before it skipped (a file
     changed after it): the engine's load_checkpoint, which reads the folder
     through its checkpoint engine, runs no code."""
-    from distribuuuu.state import SavedRun
+    from distribuuuu.checkpoint.format import SavedRun
     from distribuuuu.strategies.deepspeed import DeepSpeedStrategy
 
     class Engine:

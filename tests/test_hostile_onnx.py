@@ -15,7 +15,7 @@ import pytest
 from helpers import error_line
 from PIL import Image
 
-from distribuuuu import onnx_checks
+from distribuuuu.inference import onnx_checks
 from distribuuuu.tools import predict
 
 onnx = pytest.importorskip("onnx")

@@ -22,8 +22,8 @@ import pytest
 from helpers import REPO, TINY, TRAIN_NET, descendants, kill_tree, run_command, start
 from test_slurm import _slurm_ready
 
-import distribuuuu.distributed as du
-from distribuuuu.peers import peer_failure
+import distribuuuu.dist.group as du
+from distribuuuu.dist.peers import peer_failure
 
 needs_slurm = pytest.mark.skipif(
     bool(_slurm_ready()), reason=_slurm_ready() or "Slurm is up"

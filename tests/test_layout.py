@@ -111,7 +111,7 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
     bad.parent.mkdir()
     bad.write_text(
         '"""Bad."""\n\nfrom distribuuuu import checkpoint as cp\n'
-        "from distribuuuu.trainer import _hidden\n\n\n"
+        "from distribuuuu.engine.trainer import _hidden\n\n\n"
         f"def long():\n    cp._secret()\n{body}\n"
     )
     monkeypatch.setitem(globals(), "REPO", str(tmp_path))

@@ -19,9 +19,9 @@ from helpers import (
 )
 
 from distribuuuu.config import get_cfg, load_cfg
+from distribuuuu.engine.losses import TrainLoss, build_mixer, build_train_loss, mix_seed
+from distribuuuu.engine.trainer import train_model
 from distribuuuu.logger import setup_logging
-from distribuuuu.losses import TrainLoss, build_mixer, build_train_loss, mix_seed
-from distribuuuu.trainer import train_model
 
 NUM_CLASSES = 5
 

@@ -10,11 +10,11 @@ import torch
 from helpers import read_metrics
 from torch import nn
 
-from distribuuuu import evaluation, trainer
 from distribuuuu.config import load_cfg
+from distribuuuu.engine import evaluation, trainer
 from distribuuuu.logger import setup_logging
-from distribuuuu.meters import DataBoundWatch, PeakMemory
-from distribuuuu.run_log import format_scaling, throughput, watch_data_time
+from distribuuuu.reporting.meters import DataBoundWatch, PeakMemory
+from distribuuuu.reporting.run_log import format_scaling, throughput, watch_data_time
 from distribuuuu.strategies.dp import DataParallelStrategy
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from distribuuuu.logger import MetricsWriter
-from distribuuuu.trackers import CsvTracker
+from distribuuuu.reporting.trackers import CsvTracker
+from distribuuuu.reporting.writer import MetricsWriter
 
 TRAIN = {"split": "train", "epoch": 1, "iter": 2, "loss": 2.5}
 VAL = {"split": "val", "epoch": 1, "top1": 40.0, "loss": 2.0}

@@ -18,15 +18,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from distribuuuu import checkpoint as cp
-from distribuuuu import trainer
 from distribuuuu.config import load_cfg
-from distribuuuu.evaluation import keep_best
-from distribuuuu.logger import MetricsWriter
+from distribuuuu.engine import trainer
+from distribuuuu.engine.evaluation import keep_best
+from distribuuuu.engine.numerics import NonFiniteError, all_finite
+from distribuuuu.engine.resume import save_training_checkpoint
+from distribuuuu.engine.session import run_context
 from distribuuuu.models import build_model
-from distribuuuu.numerics import NonFiniteError, all_finite
-from distribuuuu.resume import save_training_checkpoint
-from distribuuuu.run_log import stop_on_nonfinite_loss
-from distribuuuu.session import run_context
+from distribuuuu.reporting.run_log import stop_on_nonfinite_loss
+from distribuuuu.reporting.writer import MetricsWriter
 
 # A learning rate so high that the first step sends the weights to ~1e30 and
 # the second step's loss to nan (LeNet-5, synthetic data, seed 1: every time).

@@ -21,10 +21,11 @@ from helpers import error_line
 from PIL import Image
 from torch import nn
 
-from distribuuuu import models, onnx_model
+from distribuuuu import models
 from distribuuuu.config import CHOICES, get_cfg
 from distribuuuu.data import build_dataset, build_normalizer
-from distribuuuu.export import validation_batches
+from distribuuuu.inference import onnx as onnx_model
+from distribuuuu.inference.export import validation_batches
 from distribuuuu.tools import export as export_tool
 from distribuuuu.tools import predict
 

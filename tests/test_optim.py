@@ -12,7 +12,8 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu.config import LR_POLICIES, ConfigError, get_cfg, load_cfg
-from distribuuuu.optim import (
+from distribuuuu.models.syncbn import GroupSyncBatchNorm
+from distribuuuu.optim.build import (
     LR_POLICY_FUNCTIONS,
     build_optimizer,
     lr_at,
@@ -21,7 +22,6 @@ from distribuuuu.optim import (
     set_lr,
     split_weight_decay,
 )
-from distribuuuu.syncbn import GroupSyncBatchNorm
 
 
 def test_cos_with_per_iteration_warmup():
@@ -306,7 +306,7 @@ class _Records(logging.Handler):
 @pytest.mark.parametrize("norm", [nn.BatchNorm2d, GroupSyncBatchNorm])
 def test_no_decay_norm_bias_groups(norm):
     model = _net(norm)
-    records, log = _Records(), logging.getLogger("distribuuuu.optim")
+    records, log = _Records(), logging.getLogger("distribuuuu.optim.build")
     level = log.level
     log.setLevel(logging.INFO)
     log.addHandler(records)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from distribuuuu.config import load_cfg
-from distribuuuu.optim import build_optimizer
-from distribuuuu.optimizers import Lamb, Lars, RMSpropTF
+from distribuuuu.optim.build import build_optimizer
+from distribuuuu.optim.optimizers import Lamb, Lars, RMSpropTF
 
 
 def _steps(optimizer_class, weights, grads, **options) -> list[list[float]]:
@@ -136,7 +136,7 @@ def test_each_optimizer_lowers_the_loss_of_a_small_net(name, cls):
 
 def test_layer_decay_scales_each_layers_learning_rate():
     from distribuuuu.models import build_model
-    from distribuuuu.optim import describe_param_groups, set_lr
+    from distribuuuu.optim.build import describe_param_groups, set_lr
 
     model = build_model("vit_tiny_patch4", 10)  # 6 blocks: layers 0 to 7
     cfg = load_cfg(

@@ -19,9 +19,9 @@ from helpers import (
 )
 from torch import nn
 
-from distribuuuu.inference import read_checkpoint
+from distribuuuu.inference.read import read_checkpoint
 from distribuuuu.models import build_model
-from distribuuuu.recompute import enable_activation_checkpointing
+from distribuuuu.models.recompute import enable_activation_checkpointing
 from distribuuuu.strategies.zero1 import shard_optimizer
 
 STEPS, BATCH = 4, 6  # optimizer steps; samples per rank per step
@@ -291,7 +291,7 @@ def test_timm_activation_checkpointing_updates_batchnorm_statistics_once(
     """timm's own switch recomputes without our frozen statistics, so a BatchNorm
     would count each step twice; our wrapping of timm's blocks must not."""
     pytest.importorskip("timm")
-    from distribuuuu import recompute
+    from distribuuuu.models import recompute
 
     calls = []
 

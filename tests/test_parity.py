@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distribuuuu import distributed as du
 from distribuuuu.config import load_cfg
-from distribuuuu.logger import MetricsWriter
-from distribuuuu.loop import train_epoch
-from distribuuuu.trainer import build_train_state
+from distribuuuu.dist import group as du
+from distribuuuu.engine.loop import train_epoch
+from distribuuuu.engine.trainer import build_train_state
+from distribuuuu.reporting.writer import MetricsWriter
 
 STEPS = 50
 # 1,600 synthetic images in batches of 32: 50 steps, no augmentation.

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from distribuuuu import distributed as du
 from distribuuuu.config import get_cfg
+from distribuuuu.dist import group as du
 from distribuuuu.models import build_model
 from distribuuuu.strategies import build_strategy
 from distribuuuu.strategies.pipeline import PipelineStrategy

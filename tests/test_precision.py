@@ -12,13 +12,13 @@ import yaml
 from helpers import TINY, assert_ok, read_text, train_net
 
 from distribuuuu.config import load_cfg
-from distribuuuu.precision import (
+from distribuuuu.engine.session import run_context
+from distribuuuu.strategies.precision import (
     auto_precision,
     fp16_allowed,
     resolve_auto_precision,
     resolve_precision,
 )
-from distribuuuu.session import run_context
 
 GPU = torch.device("cuda", 1)
 

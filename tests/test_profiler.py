@@ -13,15 +13,15 @@ from helpers import TINY, assert_ok, read_text, refused, torchrun, train_net
 from torch.profiler import ProfilerActivity
 
 from distribuuuu.config import load_cfg
-from distribuuuu.logger import setup_logging
-from distribuuuu.profiling import (
+from distribuuuu.engine.profiling import (
     DATA_LABEL,
     STEP_LABEL,
     plan_steps,
     profiler_activities,
     trace_path,
 )
-from distribuuuu.trainer import train_model
+from distribuuuu.engine.trainer import train_model
+from distribuuuu.logger import setup_logging
 
 # TINY with 512 training images: 8 steps on each of 2 processes, room for
 # 1 skipped + 1 warm-up + 5 profiled steps.

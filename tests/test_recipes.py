@@ -16,9 +16,9 @@ import torch
 import yaml
 from helpers import REPO
 
-from distribuuuu import trainer
 from distribuuuu.config import load_cfg
 from distribuuuu.config.keys import get_key
+from distribuuuu.engine import trainer
 from distribuuuu.models import build_model
 
 RECIPES = sorted(glob.glob(os.path.join(REPO, "config", "*.yaml")))

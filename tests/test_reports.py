@@ -22,7 +22,7 @@ from helpers import (
 )
 from tensorboard.backend.event_processing import event_accumulator
 
-from distribuuuu.meters import ConfusionMatrix, per_class_top1
+from distribuuuu.reporting.meters import ConfusionMatrix, per_class_top1
 
 # Two short epochs of the small ResNet on 10-class synthetic images.
 SMALL = [
@@ -200,7 +200,7 @@ def test_image_grid_shows_the_augmented_training_images():
     before normalisation: the first tile is sample 0 under the run's seed."""
     from distribuuuu.config import load_cfg
     from distribuuuu.data import build_dataset
-    from distribuuuu.run_log import log_training_images
+    from distribuuuu.reporting.run_log import log_training_images
 
     class Capture:
         def image(self, tag: str, pixels) -> None:

@@ -27,13 +27,14 @@ from helpers import (
     start,
 )
 
-from distribuuuu import preflight, run_lock, trainer
+from distribuuuu import preflight
 from distribuuuu.config import ConfigError
+from distribuuuu.engine import run_lock, trainer
 
 # A live run, as far as the lock can tell: takes OUT_DIR's lock, says so, sleeps.
 HOLDER = """
 import sys, time
-from distribuuuu import run_lock
+from distribuuuu.engine import run_lock
 run_lock.record_holder(run_lock.lock_out_dir(sys.argv[1]))
 print("held", flush=True)
 time.sleep(300)
@@ -104,7 +105,7 @@ def test_lock_is_free_once_its_holder_is_killed(holder):
 # Another process's attempt at OUT_DIR's lock: prints the refusal, or "free".
 PROBE = """
 import sys
-from distribuuuu import run_lock
+from distribuuuu.engine import run_lock
 try:
     run_lock.lock_out_dir(sys.argv[1])
     print("free")

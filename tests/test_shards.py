@@ -28,8 +28,8 @@ from distribuuuu.config import load_cfg
 from distribuuuu.data import build_dataset, build_test_loader, build_train_loader
 from distribuuuu.data.datasets import DataError, load_mnist5k
 from distribuuuu.data.shards import ShardDecoder, ShardedImages, open_shards
+from distribuuuu.engine.trainer import train_model
 from distribuuuu.logger import setup_logging
-from distribuuuu.trainer import train_model
 
 CPU = torch.device("cpu")
 TRAIN_PER_CLASS = 50  # 500 training digits: a short run; all 1000 for validation

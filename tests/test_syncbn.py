@@ -7,7 +7,7 @@ import torch
 from helpers import run_on_ranks, strategy_for
 from torch import nn
 
-from distribuuuu.syncbn import GroupSyncBatchNorm
+from distribuuuu.models.syncbn import GroupSyncBatchNorm
 
 # Samples per rank: unequal on purpose.
 SPLITS = {2: [4, 3], 3: [3, 2, 2]}

@@ -25,13 +25,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from distribuuuu.models import build_model
-from distribuuuu.models.vit import fuse_qkv, split_torchvision_attention
-from distribuuuu.strategies.base import average_gradients, clip_gradients
-from distribuuuu.tensor_parallel import (
+from distribuuuu.models.tensor_parallel import (
     check_tensor_parallel,
     parallelize,
     share_random_state,
 )
+from distribuuuu.models.vit import fuse_qkv, split_torchvision_attention
+from distribuuuu.strategies.base import average_gradients, clip_gradients
 
 VIT = ["--cfg", "config/digits_vit_tiny.yaml", "OPTIM.MAX_EPOCH", "1"]
 # One epoch of 16 steps of 64 (a quarter of the digits' time), 1000 val images.

@@ -25,14 +25,14 @@ from helpers import (
 
 from distribuuuu.checkpoint import load_full
 from distribuuuu.config import load_cfg
-from distribuuuu.inference import KIND_STATE_DICT, Checkpoint, inference_cfg
+from distribuuuu.inference.read import KIND_STATE_DICT, Checkpoint, inference_cfg
 from distribuuuu.models import (
     build_configured,
     build_model,
     find_blocks,
     model_library,
 )
-from distribuuuu.recompute import enable_activation_checkpointing
+from distribuuuu.models.recompute import enable_activation_checkpointing
 
 timm = pytest.importorskip("timm")
 

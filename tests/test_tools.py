@@ -28,10 +28,10 @@ from helpers import (
 )
 from PIL import Image
 
-from distribuuuu import export as exporting
 from distribuuuu.data import build_dataset, build_normalizer
 from distribuuuu.data.datasets import load_mnist5k
-from distribuuuu.inference import (
+from distribuuuu.inference import export as exporting
+from distribuuuu.inference.read import (
     build_inference_model,
     inference_cfg,
     read_checkpoint,

@@ -39,9 +39,9 @@ mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
 
 from distribuuuu.config import dump_cfg, flat_cfg, get_cfg  # noqa: E402
-from distribuuuu.logger import MetricsWriter  # noqa: E402
-from distribuuuu.remote_trackers import MlflowTracker, WandbTracker  # noqa: E402
-from distribuuuu.resume import save_best_weights  # noqa: E402
+from distribuuuu.engine.resume import save_best_weights  # noqa: E402
+from distribuuuu.reporting.remote_trackers import MlflowTracker, WandbTracker  # noqa: E402
+from distribuuuu.reporting.writer import MetricsWriter  # noqa: E402
 
 logger = logging.getLogger(__name__)
 EVERY = ["LOG.TRACKERS", "['tensorboard','mlflow','wandb','csv']"]

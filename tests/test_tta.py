@@ -9,8 +9,8 @@ from helpers import refused
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from distribuuuu.evaluation import EvalSpec, evaluate
-from distribuuuu.tta import tta_logits, views
+from distribuuuu.engine.evaluation import EvalSpec, evaluate
+from distribuuuu.engine.tta import tta_logits, views
 
 
 def _image(size: int = 6) -> torch.Tensor:

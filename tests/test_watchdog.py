@@ -1,5 +1,5 @@
 """Loader workers are never forked from the trainer, and a loader that gives no
-batch fails the run (distribuuuu/data/workers.py, distribuuuu/watchdog.py)."""
+batch fails the run (distribuuuu/data/workers.py, distribuuuu/dist/watchdog.py)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, Dataset
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_test_loader, build_train_loader
 from distribuuuu.data.packed import PackedSamples
-from distribuuuu.watchdog import LoaderTimeoutError, Watchdog, WatchedLoader
-from distribuuuu.worker_server import worker_context
+from distribuuuu.data.worker_server import worker_context
+from distribuuuu.dist.watchdog import LoaderTimeoutError, Watchdog, WatchedLoader
 
 CPU = torch.device("cpu")
 CONTEXT = worker_context()

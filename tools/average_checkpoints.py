@@ -8,7 +8,7 @@
 ``--best`` picks by the scores CHECKPOINT.KEEP_BEST records (top-1, or the
 validation loss with ``--loss``).  The result is a plain weights file that
 ``--eval-only``, ``MODEL.WEIGHTS``, inspect, export and predict read; see
-distribuuuu/averaging.py for how BatchNorm statistics are treated.  Each
+distribuuuu/inference/average.py for how BatchNorm statistics are treated.  Each
 checkpoint counts once: a file given twice (or through a link) is refused, and
 so is an --out that is a checkpoint, a link or no regular file.  Exit codes:
 0 done; 1 any other failure; 2 a file this does not read (missing, not a
@@ -23,7 +23,7 @@ import sys
 
 from distribuuuu import checkpoint as cp
 from distribuuuu import cli
-from distribuuuu.averaging import average_checkpoints, select_checkpoints
+from distribuuuu.inference.average import average_checkpoints, select_checkpoints
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -25,7 +25,7 @@ Measurements, printed as a table and written as JSON (``--out``):
 * stop check: seconds of the ranks' agreement on a stop request (2 local gloo
   ranks), and its cost per training step with DIST.STOP_CHECK_STEPS, also as
   a share of the measured train step;
-* ``--only pipeline``: GPipe's and 1F1B's bubble (distribuuuu.pipeline_bubble).
+* ``--only pipeline``: GPipe's and 1F1B's bubble (distribuuuu.bench.pipeline_bubble).
 
 The two sides of a measurement alternate, repeat after repeat (the first
 side changes every repeat), so that load from other processes on the machine
@@ -55,28 +55,29 @@ except ImportError:
 import torch
 import torchvision
 
-from distribuuuu.baselines import (
+from distribuuuu.bench.baselines import (
     InMemoryLoader,
     make_batches,
     minimal_eval,
     minimal_train,
 )
-from distribuuuu.config import load_cfg
-from distribuuuu.data import build_normalizer
-from distribuuuu.data.throughput import capped_shard_sides, data_pipeline_sides
-from distribuuuu.distributed import LaunchInfo
-from distribuuuu.evaluation import EvalSpec, evaluate
-from distribuuuu.logger import PACKAGE_LOGGER, MetricsWriter, setup_logging
-from distribuuuu.loop import train_epoch
-from distribuuuu.models import build_model
-from distribuuuu.overheads import (
+from distribuuuu.bench.data_throughput import capped_shard_sides, data_pipeline_sides
+from distribuuuu.bench.overheads import (
     format_stop_check,
     measure_startup,
     stop_check_cost,
     summarize,
 )
-from distribuuuu.pipeline_bubble import format_bubble, measure_bubble
-from distribuuuu.trainer import build_train_state
+from distribuuuu.bench.pipeline_bubble import format_bubble, measure_bubble
+from distribuuuu.config import load_cfg
+from distribuuuu.data import build_normalizer
+from distribuuuu.dist.group import LaunchInfo
+from distribuuuu.engine.evaluation import EvalSpec, evaluate
+from distribuuuu.engine.loop import train_epoch
+from distribuuuu.engine.trainer import build_train_state
+from distribuuuu.logger import PACKAGE_LOGGER, setup_logging
+from distribuuuu.models import build_model
+from distribuuuu.reporting.writer import MetricsWriter
 
 TRAIN_NET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_net.py")
 
@@ -283,7 +284,7 @@ def bench_train_and_eval(args: argparse.Namespace, cfg, what: set[str]) -> dict:
 def bench_data(args: argparse.Namespace, work_dir: str) -> dict:
     """The data-pipeline measurement: img/s of one epoch of each loader, ours
     with the default decoder and with each of ``--decoders`` (see
-    :mod:`distribuuuu.data.throughput`)."""
+    :mod:`distribuuuu.bench.data_throughput`)."""
     decoders = [name for name in args.decoders.split(",") if name]
     sizes = (args.data_images, args.data_im_size, args.data_batch, args.workers)
     root = os.path.join(work_dir, "jpegs")

@@ -26,8 +26,9 @@ import argparse
 import sys
 
 from distribuuuu import checkpoint as cp
-from distribuuuu import cli, onnx_model
-from distribuuuu.export import export_weights
+from distribuuuu import cli
+from distribuuuu.inference import onnx as onnx_model
+from distribuuuu.inference.export import export_weights
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

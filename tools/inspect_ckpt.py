@@ -17,8 +17,8 @@ import json
 import sys
 
 from distribuuuu import cli
-from distribuuuu.checkpoint_report import format_summary, summarize
-from distribuuuu.inference import read_checkpoint
+from distribuuuu.inference.inspect import format_summary, summarize
+from distribuuuu.inference.read import read_checkpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

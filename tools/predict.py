@@ -32,7 +32,11 @@ import sys
 import torch
 
 from distribuuuu import cli
-from distribuuuu.predict import classify_images, classify_images_onnx, format_line
+from distribuuuu.inference.predict import (
+    classify_images,
+    classify_images_onnx,
+    format_line,
+)
 
 # A config key on the command line: MODEL.ARCH, OUT_DIR, TRAIN.IM_SIZE, ...
 _KEY = re.compile(r"^[A-Z][A-Z0-9_]*(\.[A-Z][A-Z0-9_]*)*$")

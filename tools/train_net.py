@@ -18,13 +18,15 @@ import sys
 
 from yacs.config import CfgNode
 
-from distribuuuu import cli, job, preflight, run_lock, worker_server
+from distribuuuu import cli, job, preflight
 from distribuuuu.config import (
     format_cfg,
     format_config_reference,
     merge_cfg,
     validate_cfg,
 )
+from distribuuuu.data import worker_server
+from distribuuuu.engine import run_lock
 
 EXIT_CODES = """exit codes:
   0    done

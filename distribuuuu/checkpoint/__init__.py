@@ -18,7 +18,7 @@ writes its shards with ``torch.distributed.checkpoint`` (DCP) into a ``.dcp``
 directory beside the ``.pth``, which then holds the rest of the state and
 the directory's name (a plain name in the same folder, never a path) and the
 size and SHA-256 of every file in it (the keys are named in
-:mod:`distribuuuu.state`).  DCP
+:mod:`distribuuuu.checkpoint.format`).  DCP
 re-shards on load, so such a checkpoint resumes on any world size;
 :func:`load_full` reads it whole for any other use (DDP resume, export,
 inspection).

@@ -42,7 +42,7 @@ from typing import Any, BinaryIO
 import torch
 
 from distribuuuu.checkpoint.files import DEEPSPEED_SUFFIX, DEEPSPEED_TAG, refused
-from distribuuuu.state import deepspeed_folder_name
+from distribuuuu.checkpoint.format import deepspeed_folder_name
 
 # The files DeepSpeed writes into a checkpoint's tag folder.
 _DEEPSPEED_FILE = re.compile(

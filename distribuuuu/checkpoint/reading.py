@@ -27,9 +27,7 @@ from distribuuuu.checkpoint.files import (
     list_checkpoints,
     load_file,
 )
-from distribuuuu.logger import FILE_ONLY
-from distribuuuu.models.vit import fuse_qkv
-from distribuuuu.state import (
+from distribuuuu.checkpoint.format import (
     MODEL,
     deepspeed_folder_name,
     is_sharded_checkpoint,
@@ -37,6 +35,8 @@ from distribuuuu.state import (
     model_weights,
     shard_manifest_of,
 )
+from distribuuuu.logger import FILE_ONLY
+from distribuuuu.models.vit import fuse_qkv
 
 logger = logging.getLogger(__name__)
 

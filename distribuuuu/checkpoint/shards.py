@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from distribuuuu import distributed as du
 from distribuuuu.checkpoint.files import (
     CHECKPOINT_DIR,
     SHARDED_SUFFIX,
@@ -51,7 +50,8 @@ from distribuuuu.checkpoint.files import (
     refused,
     sharded_dir,
 )
-from distribuuuu.state import shards_folder
+from distribuuuu.checkpoint.format import shards_folder
+from distribuuuu.dist import group as du
 
 
 def _sha256(path: str) -> str:

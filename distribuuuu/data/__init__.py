@@ -37,8 +37,8 @@ from distribuuuu.data.transforms import (
     imagenet_transforms,
     small_image_transforms,
 )
-from distribuuuu.tta import CROP_MODES
-from distribuuuu.worker_server import worker_context
+from distribuuuu.data.worker_server import worker_context
+from distribuuuu.engine.tta import CROP_MODES
 
 __all__ = [
     "DataError",

@@ -21,27 +21,24 @@ from torch.distributed.tensor import DTensor
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
-from distribuuuu import distributed as du
-from distribuuuu import optim, reports
-from distribuuuu.precision import autocast
-from distribuuuu.state import EMA, MODEL, OPTIMIZER, SavedRun
+from distribuuuu.checkpoint.format import EMA, MODEL, OPTIMIZER, SavedRun
+from distribuuuu.dist import group as du
+from distribuuuu.models.wrappers import unwrap_model
+from distribuuuu.optim import build as optim
+from distribuuuu.reporting import reports
+from distribuuuu.strategies.precision import autocast
 
 if TYPE_CHECKING:  # imported for the annotations only
-    from distribuuuu.ema import ModelEma
-    from distribuuuu.losses import TrainLoss
-    from distribuuuu.meters import MetricSums
-    from distribuuuu.state import TrainState
+    from distribuuuu.engine.losses import TrainLoss
+    from distribuuuu.engine.state import TrainState
+    from distribuuuu.models.ema import ModelEma
+    from distribuuuu.reporting.meters import MetricSums
 
 logger = logging.getLogger(__name__)
 
 # One micro-batch of a training step: the model's input, the labels (for the
 # metrics) and the loss targets (mixed labels under Mixup/CutMix).
 MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain model inside a DDP (or DataParallel) wrapper."""
-    return model.module if hasattr(model, "module") else model
 
 
 def check_current_device(device: torch.device, library: str) -> None:

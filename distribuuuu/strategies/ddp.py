@@ -3,7 +3,7 @@ the whole model and optimizer, DistributedDataParallel averages the gradients.
 
 Without a process group (one process) the model simply runs on its device.
 ``MODEL.SYNCBN`` converts BatchNorm to synchronized BatchNorm: PyTorch's
-``nn.SyncBatchNorm`` on CUDA, :class:`~distribuuuu.syncbn.GroupSyncBatchNorm`
+``nn.SyncBatchNorm`` on CUDA, :class:`~distribuuuu.models.syncbn.GroupSyncBatchNorm`
 elsewhere (PyTorch's refuses CPU modules).
 """
 
@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distribuuuu import distributed as du
+from distribuuuu.dist import group as du
+from distribuuuu.models.syncbn import GroupSyncBatchNorm
 from distribuuuu.strategies.base import Strategy
-from distribuuuu.syncbn import GroupSyncBatchNorm
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Our optimizer builder makes the optimizer (every ``OPTIM.OPTIMIZER``, with our
 parameter groups) and our schedule sets its learning rate each step;
 ``deepspeed.initialize`` wraps both, and the engine runs backward, the
 accumulation boundaries, clipping and the step.  The engine's config comes from
-our keys (:mod:`distribuuuu.deepspeed_config`) and is written beside
+our keys (:mod:`distribuuuu.strategies.deepspeed_config`) and is written beside
 ``config.yaml``.  Mixed precision is torch's autocast over fp32 weights, as
 under the other strategies (DeepSpeed's ``torch_autocast`` section), so the
 module's parameters, its BatchNorm buffers and an EMA of them stay fp32.
@@ -44,14 +44,18 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
-from distribuuuu import distributed as du
-from distribuuuu import optim
 from distribuuuu.checkpoint.deepspeed_files import weights_only_loads
-from distribuuuu.deepspeed_config import DS_CONFIG_FILE, check_nvme, run_config
-from distribuuuu.precision import autocast, resolve_auto_precision
-from distribuuuu.state import EMA, MODEL, SavedRun, deepspeed_entries
+from distribuuuu.checkpoint.format import EMA, MODEL, SavedRun, deepspeed_entries
+from distribuuuu.dist import group as du
+from distribuuuu.optim import build as optim
 from distribuuuu.strategies.base import MicroBatch, Strategy, check_current_device
 from distribuuuu.strategies.ddp import convert_syncbn
+from distribuuuu.strategies.deepspeed_config import (
+    DS_CONFIG_FILE,
+    check_nvme,
+    run_config,
+)
+from distribuuuu.strategies.precision import autocast, resolve_auto_precision
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import logging
 import torch
 from torch import nn
 
-from distribuuuu import distributed as du
+from distribuuuu.dist import group as du
 from distribuuuu.strategies.base import Strategy, check_current_device
 
 logger = logging.getLogger(__name__)

@@ -37,9 +37,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
-from distribuuuu import distributed as du
+from distribuuuu.checkpoint.format import sharded_entries
+from distribuuuu.dist import group as du
 from distribuuuu.models import find_blocks
-from distribuuuu.state import sharded_entries
 from distribuuuu.strategies.base import (
     Strategy,
     broadcast_model,

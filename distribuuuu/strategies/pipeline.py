@@ -45,8 +45,15 @@ from torch.distributed.pipelining import (
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
-from distribuuuu import distributed as du
-from distribuuuu import optim
+from distribuuuu.checkpoint.format import (
+    EMA,
+    MODEL,
+    OPTIMIZER,
+    grouped_by_list,
+    grouped_by_name,
+    sharded_entries,
+)
+from distribuuuu.dist import group as du
 from distribuuuu.models.chains import (
     StagePart,
     Step,
@@ -55,15 +62,7 @@ from distribuuuu.models.chains import (
     named_bounds,
     step_sizes,
 )
-from distribuuuu.precision import autocast
-from distribuuuu.state import (
-    EMA,
-    MODEL,
-    OPTIMIZER,
-    grouped_by_list,
-    grouped_by_name,
-    sharded_entries,
-)
+from distribuuuu.optim import build as optim
 from distribuuuu.strategies.base import (
     MicroBatch,
     Strategy,
@@ -73,11 +72,12 @@ from distribuuuu.strategies.base import (
     rekey_optimizer_state,
     step_optimizer,
 )
+from distribuuuu.strategies.precision import autocast
 
 if TYPE_CHECKING:
-    from distribuuuu.losses import TrainLoss
-    from distribuuuu.meters import MetricSums
-    from distribuuuu.state import TrainState
+    from distribuuuu.engine.losses import TrainLoss
+    from distribuuuu.engine.state import TrainState
+    from distribuuuu.reporting.meters import MetricSums
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """``DIST.TENSOR_PARALLEL N``: each transformer block split over N ranks
-(Megatron's column- and row-parallel layers, :mod:`distribuuuu.tensor_parallel`),
+(Megatron's column- and row-parallel layers, :mod:`distribuuuu.models.tensor_parallel`),
 data parallel over the rest of the world.
 
 The world is a 2-D mesh, data parallel x tensor parallel (``dp`` x ``tp``):
@@ -21,16 +21,16 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from yacs.config import CfgNode
 
-from distribuuuu import distributed as du
 from distribuuuu.checkpoint import weights_in
-from distribuuuu.models.vit import fuse_qkv, split_qkv
-from distribuuuu.strategies.base import average_gradients, broadcast_model
-from distribuuuu.strategies.fsdp import FSDPStrategy, shard_fully
-from distribuuuu.tensor_parallel import (
+from distribuuuu.dist import group as du
+from distribuuuu.models.tensor_parallel import (
     check_tensor_parallel,
     parallelize,
     share_random_state,
 )
+from distribuuuu.models.vit import fuse_qkv, split_qkv
+from distribuuuu.strategies.base import average_gradients, broadcast_model
+from distribuuuu.strategies.fsdp import FSDPStrategy, shard_fully
 
 logger = logging.getLogger(__name__)
 

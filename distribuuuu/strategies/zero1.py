@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from distribuuuu import distributed as du
+from distribuuuu.dist import group as du
 from distribuuuu.strategies.ddp import DDPStrategy
 
 logger = logging.getLogger(__name__)

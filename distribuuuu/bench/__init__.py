@@ -1,0 +1,1 @@
+"""The benchmark's baselines and measurements (tools/benchmark.py)."""

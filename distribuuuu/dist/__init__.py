@@ -1,0 +1,1 @@
+"""Launch detection, process groups, peers, Slurm and spawn."""

@@ -1,0 +1,218 @@
+"""The training loop: :func:`train_epoch`, its steps, and stop requests.
+
+One optimizer step takes ``plan.accum`` micro-batches from the loader, puts
+them on the device (normalised, mixed under Mixup/CutMix), and hands them to
+the strategy, which runs forward, backward and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+
+import torch
+from torch.utils.data import DataLoader
+from yacs.config import CfgNode
+
+from distribuuuu.dist import group as du
+from distribuuuu.engine.losses import Distilled, TrainLoss, build_train_loss, mix_seed
+from distribuuuu.engine.profiling import StepProfiler
+from distribuuuu.engine.state import TrainState
+from distribuuuu.logger import end_status, live_console
+from distribuuuu.optim import build as optim
+from distribuuuu.reporting.meters import MetricSums
+from distribuuuu.reporting.run_log import TrainStatus, log_train_window
+from distribuuuu.strategies.base import MicroBatch
+from distribuuuu.strategies.precision import autocast
+
+logger = logging.getLogger(__name__)
+
+
+def train_epoch(
+    state: TrainState,
+    loader: DataLoader,
+    cfg: CfgNode,
+    after_step: Callable[[], bool] = lambda: False,
+) -> bool:
+    """Train the rest of epoch ``progress.epoch``; True if ``after_step`` stopped it.
+
+    The learning rate is set before every step.  Micro-batches that cannot
+    fill a whole step at the end of the epoch are skipped.
+    ``progress.consumed`` advances with every step, so a checkpoint taken in
+    ``after_step`` resumes at the next unseen batch.
+    """
+    progress, plan = state.progress, state.plan
+    state.model.train()
+    loader.sampler.set_epoch(progress.epoch, progress.consumed)
+    first = progress.consumed // plan.global_batch
+    total = first + len(loader) // plan.accum
+    meter = MetricSums(state.device, min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES))
+    loss_fn = build_train_loss(cfg.TRAIN, cfg.MODEL.NUM_CLASSES)
+    status = TrainStatus(cfg, state, first, total) if live_console() else None
+    batches = iter(loader)
+    profiler = StepProfiler.for_epoch(cfg, state, total - first)  # None when off
+    if profiler:
+        batches = profiler.watch(batches)
+    data_time, window_start = 0.0, time.perf_counter()
+    try:
+        for step in range(first, total):
+            lr = optim.lr_at(
+                cfg.OPTIM, optim.lr_epoch(cfg.OPTIM, progress.epoch, step / total)
+            )
+            lr *= plan.lr_scale
+            optim.set_lr(state.optimizer, lr)
+            with profiler.step() if profiler else nullcontext():
+                data_time += train_step(state, batches, meter, loss_fn)
+            progress.consumed += plan.global_batch
+            state.clock.step()
+            if (step + 1) % cfg.TRAIN.PRINT_FREQ == 0 or step + 1 == total:
+                window_steps = (step - first) % cfg.TRAIN.PRINT_FREQ + 1
+                elapsed = time.perf_counter() - window_start
+                stats = log_train_window(cfg, state, meter, step, total, lr, elapsed,
+                                         data_time / window_steps)  # fmt: skip
+                meter.reset()
+                data_time, window_start = 0.0, time.perf_counter()
+                if status:
+                    status.window = stats
+            if status:
+                status.show(step, lr)
+            if after_step():
+                return True
+        return False
+    finally:
+        if profiler:
+            profiler.close()
+        end_status(keep=True)
+
+
+class DataClock:
+    """Seconds spent waiting for the loader."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+
+def micro_batches(
+    state: TrainState, batches: Iterator, loss_fn: TrainLoss, clock: DataClock
+) -> Iterator[MicroBatch]:
+    """The ``plan.accum`` micro-batches of one step, fetched as they are needed.
+
+    Each is normalised and put on the device, then mixed by ``loss_fn``
+    (seeded by the micro-batch's place in the epoch's global order).
+    """
+    progress, plan, device = state.progress, state.plan, state.device
+    # Micro-batch m of this replica starts at global position first + m * stride.
+    replica = state.strategy.data_parallel()[0]
+    first, stride = progress.consumed + replica, plan.per_rank * plan.world_size
+    for micro in range(plan.accum):
+        tic = time.perf_counter()
+        images, targets = next(batches)
+        clock.seconds += time.perf_counter() - tic
+        images = state.normalize(images)
+        targets = targets.to(device, non_blocking=True)
+        seed = mix_seed(progress.seed, progress.epoch, first + micro * stride)
+        images, targets, loss_targets = loss_fn.mix(images, targets, seed)
+        if state.teacher is not None:  # it sees the very images the student does
+            with torch.no_grad(), autocast(device, state.amp_dtype):
+                taught = state.teacher(images)
+            loss_targets = Distilled(loss_targets, taught)
+        yield images, targets, loss_targets
+
+
+# Host synchronizations of a CUDA training step (each stalls the GPU queue);
+# keep this list true when the step changes.
+# Every step:
+# - fp16 only (GradScaler enabled): GradScaler.step reads its found-inf flag
+#   with .item() (GradScaler._maybe_opt_step, torch/amp/grad_scaler.py), once
+#   per device holding gradients. The EMA learns of a skipped step from that
+#   same read (strategies.base.step_optimizer); bf16 and full precision have no
+#   scaler.
+# - MODEL.SYNCBN: torch's SyncBatchNorm forward drops the statistics of empty
+#   ranks with a boolean mask (count_all[mask] in torch/nn/modules/_functions.py,
+#   pytorch issue 78549): one sync per SyncBN layer and micro-batch.
+# - stop.agreed() in after_step every DIST.STOP_CHECK_STEPS steps, with more
+#   than one process: all_reduce_max_int through a CPU gloo group (.item() of a
+#   CPU tensor). No GPU sync, but a host collective: that step waits for the
+#   slowest rank's host.
+# - DATA.DECODER gpu, per micro-batch (per run of DECODE_PIXELS): the input
+#   step waits for the current stream before nvJPEG writes (data/gpu_decode.py
+#   decode_jpegs, pytorch/vision#9606), and torchvision's decode waits for its
+#   own stream before it returns.
+# Not syncs: waiting for the data loader (host); the .to(device,
+# non_blocking=True) of images (in the normalizer) and targets, from the
+# loader's pinned batches (TRAIN.PIN_MEMORY; from pageable memory CUDA may copy
+# synchronously); the mixing order (pinned, losses.host_to_device) and
+# torchvision's Mixup/CutMix draws (on the CPU generator); scaler.scale,
+# unscale_ and update (device-side kernels); clip_grad_norm_ (it reads back only
+# with error_if_nonfinite, off); SGD and AdamW steps (AdamW's step counts live
+# on the CPU unless capturable or fused); ZeRO-1's broadcasts (NCCL waits order
+# streams); the EMA's lerp (a host float weight); MetricSums.update.
+# At print steps: MetricSums.reduce (all_reduce + .tolist(), one sync); when the
+# window's loss is not finite, all_finite (one sync per device + a CPU collective).
+# At checkpoint steps: all_finite and the state dicts copied to the CPU.
+def train_step(
+    state: TrainState, batches: Iterator, meter: MetricSums, loss_fn: TrainLoss
+) -> float:
+    """One optimizer step of ``plan.accum`` micro-batches; seconds spent on data.
+
+    The strategy runs the step (gradients synchronized on the last
+    micro-batch only); the EMA follows every step the optimizer took.
+    """
+    clock = DataClock()
+    micro = micro_batches(state, batches, loss_fn, clock)
+    stepped = state.strategy.train_step(state, micro, meter, loss_fn)
+    if stepped and state.ema is not None:
+        state.ema.step()
+    return clock.seconds
+
+
+class StopRequest:
+    """Turns SIGTERM / SIGUSR1 (Slurm's warning before preemption or the time
+    limit) into a request that every rank agrees on at the next check.
+
+    With more than one process the ranks check together every ``every``
+    optimizer steps (DIST.STOP_CHECK_STEPS) and whenever :meth:`agreed` is
+    called without a step (an epoch's end); one process checks every call.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, every: int = 1):
+        self.every = every
+        self.signum = 0
+        self.noted = False  # this rank's signal logged
+        self.stopping = False  # agreed: the run stops
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def agreed(self, step: int | None = None) -> int:
+        """The signal any rank received (0 if none), after optimizer step
+        ``step`` (1-based; None: the end of an epoch).  A collective call at
+        the steps that check, with more than one process."""
+        if self.signum and not self.noted:
+            self.noted = True
+            when = "an epoch's end" if step is None else f"step {step}"
+            logger.info(
+                "%s received by this rank before %s; the ranks stop at their "
+                "next check (every %d steps with DIST.STOP_CHECK_STEPS)",
+                signal.Signals(self.signum).name, when, self.every,
+            )  # fmt: skip
+        if step is not None and step % self.every and du.is_distributed():
+            return 0
+        agreed = du.all_reduce_max_int(self.signum)
+        self.stopping = self.stopping or bool(agreed)
+        return agreed
+
+    def restore(self) -> None:
+        """Put the previous signal handlers back, unless the run stops: then
+        more of these signals (srun sends SIGTERM to every task once the first
+        one exits) are only recorded until the process exits 128+N."""
+        if self.stopping:
+            return
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)

@@ -1,0 +1,136 @@
+"""Classify image files with trained weights: the top-k classes of each image.
+
+The model, its classes and the evaluation transforms come from the cfg saved
+in the weights file (see :mod:`distribuuuu.inference.read`), or from the metadata
+of an exported ONNX model run by ONNX Runtime (see
+:mod:`distribuuuu.inference.onnx`); folders are searched recursively for image
+files.  ``tools/predict.py`` is the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from distribuuuu.data import (
+    DataError,
+    build_test_transform,
+    find_image_files,
+    image_reader,
+)
+from distribuuuu.inference.onnx import load_session, run_session
+from distribuuuu.inference.read import load_for_inference
+
+
+def find_images(inputs: list[str]) -> list[str]:
+    """The image files named by ``inputs``, folders expanded recursively and
+    sorted; only regular files (a FIFO is never opened, since reading one waits
+    for a writer for ever)."""
+    found = []
+    for path in inputs:
+        if os.path.isdir(path):
+            found += sorted(find_image_files(path))
+        elif os.path.isfile(path):
+            found.append(path)
+        elif os.path.exists(path):
+            raise DataError(f"{path}: not a regular file or a folder")
+        else:
+            raise DataError(f"{path}: no such file or folder")
+    if not found:
+        raise DataError(f"no image files in {', '.join(inputs)}")
+    return found
+
+
+def batches(paths: list[str], size: int) -> Iterator[list[str]]:
+    """``paths`` in consecutive chunks of at most ``size``."""
+    for start in range(0, len(paths), size):
+        yield paths[start : start + size]
+
+
+def top_classes(
+    model: nn.Module | Callable[[torch.Tensor], torch.Tensor],
+    images: torch.Tensor,
+    topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k probabilities and labels of a batch of transformed images."""
+    with torch.no_grad():
+        probabilities = model(images).float().softmax(dim=1)
+    return probabilities.topk(min(topk, probabilities.shape[1]), dim=1)
+
+
+def format_line(path: str, top: list[tuple[str, float]], as_json: bool) -> str:
+    """One output line: ``path  name (prob)  ...``, or a JSON object."""
+    if as_json:
+        classes = [{"class": name, "prob": prob} for name, prob in top]
+        return json.dumps({"path": path, "top": classes})
+    return "  ".join([path] + [f"{name} ({prob:.2f})" for name, prob in top])
+
+
+def classify_images(
+    weights: str,
+    inputs: list[str],
+    device: str = "cpu",
+    topk: int = 3,
+    batch_size: int = 64,
+    cfg_file: str | None = None,
+    opts: list[str] | None = None,
+) -> Iterator[tuple[str, list[tuple[str, float]]]]:
+    """Load the model, then yield ``(path, [(class, probability), ...])`` per image.
+
+    Args:
+        weights: the checkpoint or weights file.
+        inputs: image files and folders (searched recursively, sorted).
+        device: where the model runs.
+        topk: classes per image; batch_size: images per forward pass.
+        cfg_file, opts: a yaml file and KEY VALUE pairs overriding the cfg that
+            ``weights`` carries.
+    """
+    model, cfg, classes = load_for_inference(weights, cfg_file, opts)
+    paths = find_images(inputs)
+    target = torch.device(device)
+    model.to(target)
+    read, transform = image_reader(cfg), build_test_transform(cfg)
+
+    def classify(images: torch.Tensor) -> torch.Tensor:
+        return model(images.to(target))
+
+    yield from _classify(classify, read, transform, classes, paths, topk, batch_size)
+
+
+def classify_images_onnx(
+    path: str, inputs: list[str], topk: int = 3, batch_size: int = 64
+) -> Iterator[tuple[str, list[tuple[str, float]]]]:
+    """As :func:`classify_images`, with an exported ONNX model run by ONNX
+    Runtime on the CPU; its classes and transforms come from its metadata."""
+    session, metadata = load_session(path)
+    paths = find_images(inputs)
+    read = image_reader(metadata.eval_cfg())
+    transform = metadata.eval_transform()
+
+    def classify(images: torch.Tensor) -> torch.Tensor:
+        return run_session(session, images)
+
+    yield from _classify(
+        classify, read, transform, metadata.classes, paths, topk, batch_size
+    )
+
+
+def _classify(
+    classify: Callable[[torch.Tensor], torch.Tensor],
+    read: Callable,
+    transform: Callable,
+    classes: list[str] | tuple[str, ...],
+    paths: list[str],
+    topk: int,
+    batch_size: int,
+) -> Iterator[tuple[str, list[tuple[str, float]]]]:
+    """Read, transform and classify ``paths`` in batches; yield the top classes."""
+    for chunk in batches(paths, batch_size):
+        images = torch.stack([transform(read(path)) for path in chunk])
+        probabilities, labels = top_classes(classify, images, topk)
+        for path, probs, ids in zip(chunk, probabilities.tolist(), labels.tolist()):
+            yield path, [(classes[i], p) for i, p in zip(ids, probs)]

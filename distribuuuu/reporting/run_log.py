@@ -1,0 +1,213 @@
+"""What a run reports while it trains and evaluates: the log lines, the live
+status line, the ``metrics.jsonl`` records and the tensorboard scalars, images
+and histograms (rank 0 writes; the numbers are reduced over all ranks)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+import torch
+import torchvision
+from yacs.config import CfgNode
+
+from distribuuuu.data import stack_images
+from distribuuuu.dist import group as du
+from distribuuuu.engine.numerics import all_finite, module_tensors, nonfinite_loss
+from distribuuuu.engine.state import TrainState
+from distribuuuu.logger import STATUS_LINE, set_status
+from distribuuuu.reporting import reports
+from distribuuuu.reporting.meters import format_eta, per_class_top1, progress_bar
+from distribuuuu.reporting.writer import MetricsWriter
+
+logger = logging.getLogger(__name__)
+
+
+class TrainStatus:
+    """The live progress line of a training epoch (interactive terminals only).
+
+    Loss and top-1 are those of the last ``TRAIN.PRINT_FREQ`` window over all
+    ranks (updated at print steps); the rest is known on the host every step,
+    so the bar costs no device synchronization.
+    """
+
+    def __init__(self, cfg: CfgNode, state: TrainState, first: int, total: int):
+        self.cfg, self.state, self.first, self.total = cfg, state, first, total
+        self.start = time.perf_counter()
+        self.window: dict = {}
+
+    def show(self, step: int, lr: float) -> None:
+        """Redraw the line after optimizer step ``step`` (0-based)."""
+        done = step + 1
+        elapsed = time.perf_counter() - self.start
+        img_per_s = (done - self.first) * self.state.plan.global_batch / elapsed
+        metrics = "loss -  top1 -"
+        if self.window:
+            metrics = f"loss {self.window['loss']:.4f}  top1 {self.window['top1']:.2f}"
+        eta = format_eta(self.state.clock.eta())
+        set_status(
+            f"ep {self.state.progress.epoch + 1}/{self.cfg.OPTIM.MAX_EPOCH} "
+            f"{progress_bar(done, self.total)} {done}/{self.total}  {metrics}  "
+            f"lr {lr:.5f}  {img_per_s:.0f} img/s  eta {eta}",
+            force=done == self.total,
+        )
+
+
+def log_train_window(cfg, state, meter, step, steps, lr, elapsed, data_time) -> dict:
+    """Reduce a print window's metrics over all ranks, log them (rank 0 writes)
+    and return them; stop a run whose loss is no longer finite."""
+    epoch = state.progress.epoch
+    stats = meter.reduce()
+    speed = throughput(cfg, state.plan.world_size, stats["samples"], elapsed)
+    step_time = elapsed * state.plan.global_batch / max(stats["samples"], 1)
+    watch_data_time(cfg, state, data_time, step_time)
+    logger.info(
+        "train ep %d/%d it %d/%d  loss %.4f  top1 %.2f  top%d %.2f  lr %.5f  "
+        "img/s %.0f%s  data %.1fms  eta %s",
+        epoch + 1, cfg.OPTIM.MAX_EPOCH, step + 1, steps, stats["loss"],
+        stats["top1"], meter.topk, stats["topk"], lr, speed["img_per_s"],
+        format_scaling(speed), 1000 * data_time, format_eta(state.clock.eta()),
+        extra={STATUS_LINE: True},
+    )  # fmt: skip
+    record = {"split": "train", "epoch": epoch + 1, "iter": step + 1, "lr": lr}
+    record.update(speed, data_ms=1000 * data_time, **stats)
+    scalars = {
+        "train/loss": stats["loss"],
+        "train/top1": stats["top1"],
+        "train/lr": lr,
+        "train/img_per_s": speed["img_per_s"],
+        "train/img_per_s_per_rank": speed["img_per_s_per_rank"],
+        "train/data_ms": 1000 * data_time,
+    }
+    state.writer.write(record, scalars, epoch * steps + step + 1)
+    if not math.isfinite(stats["loss"]):
+        stop_on_nonfinite_loss(state, stats, step)
+    return stats
+
+
+def stop_on_nonfinite_loss(state: TrainState, stats: dict, step: int) -> None:
+    """The window's loss is not finite (after 0-based ``step``): raise
+    NonFiniteError, unless a GradScaler skipped those steps and the weights
+    are finite (see :func:`distribuuuu.engine.numerics.nonfinite_loss`)."""
+    plain = state.strategy.plain_model(state.model)
+    window = max(stats["samples"] // state.plan.global_batch, 1)
+    epoch = state.progress.epoch + 1
+    nonfinite_loss(stats["loss"], state.scaler.is_enabled(),
+                   lambda: all_finite(module_tensors(plain)), epoch, step + 1,
+                   window)  # fmt: skip
+
+
+def throughput(cfg: CfgNode, world_size: int, samples: int, elapsed: float) -> dict:
+    """Global and per-process img/s of a window, and the scaling efficiency.
+
+    The efficiency (global img/s over ``world_size`` times the one-process
+    figure TRAIN.SINGLE_PROCESS_IMG_PER_S) is there only with more than one
+    process and that figure set.
+    """
+    img_per_s = samples / max(elapsed, 1e-9)
+    speed = {
+        "img_per_s": img_per_s,
+        "img_per_s_per_rank": img_per_s / world_size,
+        "world_size": world_size,
+    }
+    alone = cfg.TRAIN.SINGLE_PROCESS_IMG_PER_S
+    if world_size > 1 and alone > 0:
+        speed["scaling_efficiency"] = img_per_s / (world_size * alone)
+    return speed
+
+
+def format_scaling(speed: dict) -> str:
+    """`` (N/rank, eff. E%)`` for the log line; empty for one process."""
+    if speed["world_size"] == 1:
+        return ""
+    text = f" ({speed['img_per_s_per_rank']:.0f}/rank"
+    if "scaling_efficiency" in speed:
+        text += f", scaling eff. {100 * speed['scaling_efficiency']:.0f}%"
+    return text + ")"
+
+
+def watch_data_time(cfg: CfgNode, state: TrainState, data_s: float, step_s: float):
+    """Rank 0 warns once when the steps wait for data (TRAIN.DATA_BOUND_SHARE)."""
+    share = cfg.TRAIN.DATA_BOUND_SHARE
+    if state.data_watch.update(data_s, step_s, share) and du.is_main_process():
+        logger.warning(
+            "data-bound: waiting for data took %.0f%% of the step time (more than "
+            "TRAIN.DATA_BOUND_SHARE %.2f) in %d logged windows in a row; feed the "
+            "model faster: raise TRAIN.WORKERS (now %d; about one per CPU core "
+            "per process), keep DATA.DECODER fused (now %s), or store the "
+            "images pre-resized (shorter side about 1.15 x TRAIN.IM_SIZE)",
+            100 * data_s / max(step_s, 1e-9),
+            share,
+            state.data_watch.windows,
+            cfg.TRAIN.WORKERS,
+            cfg.DATA.DECODER,
+        )
+
+
+def gather_peaks(peaks: dict[str, list[float]]) -> tuple[list, list, list]:
+    """Every rank's peak memory (MiB) per device: training, evaluation, and the
+    larger of the two (one value per rank, or per GPU of a DataParallel)."""
+    ranks = du.all_gather_object(peaks)
+    train_peak = [mb for rank in ranks for mb in rank["train"]]
+    eval_peak = [mb for rank in ranks for mb in rank["eval"]]
+    return train_peak, eval_peak, [max(p) for p in zip(train_peak, eval_peak)]
+
+
+def log_evaluation(
+    cfg: CfgNode,
+    state: TrainState,
+    stats: dict,
+    confusion: torch.Tensor,
+    split: str,
+    best: float,
+    peaks: dict[str, list[float]],
+) -> None:
+    """Log the evaluation after epoch ``progress.epoch`` (1-based): a line, a
+    record, scalars, the confusion matrix and per-class histogram.
+
+    ``split``: "val", or "val_ema" for the EMA's weights (no memory scalars);
+    ``best``: the best top-1 so far; ``peaks``: this rank's peak memory (MiB)
+    per device in the epoch's training (``"train"``) and evaluation (``"eval"``).
+    """
+    epoch = state.progress.epoch
+    train_peak, eval_peak, memory = gather_peaks(peaks)
+    topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
+    logger.info(
+        "%s ep %d/%d  loss %.4f  top1 %.2f  top%d %.2f  samples %d  best %.2f  "
+        "peak memory train %.0f / eval %.0f MiB",
+        split, epoch, cfg.OPTIM.MAX_EPOCH, stats["loss"], stats["top1"], topk,
+        stats["topk"], stats["samples"], best, max(train_peak), max(eval_peak),
+    )  # fmt: skip
+    per_class = per_class_top1(confusion)
+    record = {"split": split, "epoch": epoch, "world_size": state.plan.world_size}
+    record.update(stats, peak_mem_mb=memory, train_peak_mem_mb=train_peak,
+                  eval_peak_mem_mb=eval_peak, per_class_top1=per_class)  # fmt: skip
+    scalars = {f"{split}/{key}": stats[key] for key in ("loss", "top1", "topk")}
+    if split == "val":  # the EMA's evaluation is logged in its record only
+        scalars["memory/peak_mb"] = max(memory)
+        scalars["memory/train_peak_mb"] = max(train_peak)
+        scalars["memory/eval_peak_mb"] = max(eval_peak)
+    if len(per_class) <= reports.MAX_PLOTTED_CLASSES:
+        for name, top1 in zip(state.classes, per_class):
+            if top1 is not None:
+                scalars[f"{split}_per_class/{name}"] = top1
+        image = reports.confusion_image(confusion, state.classes)
+        state.writer.image(f"{split}/confusion_matrix", image, epoch)
+    measured = np.array([top1 for top1 in per_class if top1 is not None])
+    if measured.size:
+        state.writer.histogram(f"{split}/per_class_top1", measured, epoch)
+    state.writer.write(record, scalars, epoch)
+
+
+def log_training_images(writer: MetricsWriter, dataset, seed: int) -> None:
+    """Log a grid of 16 augmented training images (spread over the data set),
+    as the model sees them before normalisation."""
+    indices = torch.linspace(0, len(dataset) - 1, min(16, len(dataset))).long()
+    with torch.random.fork_rng(devices=[]):  # leave the run's RNG as it was
+        torch.manual_seed(seed)
+        images = stack_images([dataset[int(i)][0] for i in indices])
+    grid = torchvision.utils.make_grid(images, nrow=8)
+    pixels = grid.permute(1, 2, 0).numpy()
+    writer.image("train/augmented_images", pixels)
