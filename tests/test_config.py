@@ -18,7 +18,7 @@ from distribuuuu.config import (
     load_cfg,
 )
 from distribuuuu.tools.train_net import main as train_net_main
-from distribuuuu.tools.update_config_reference import COMMAND, replace_reference
+from distribuuuu.tools.update_config_reference import COMMAND, PAGE, reference_page
 
 
 def test_get_cfg_returns_a_fresh_clone():
@@ -167,7 +167,7 @@ def test_cli_bad_input_exits_2_with_one_error_line(tmp_path, args, words):
 
 
 # --------------------------------------------------------------------------- #
-# The config reference (--help-config, README) and --print-config
+# The config reference (--help-config, docs/config-reference.md), --print-config
 # --------------------------------------------------------------------------- #
 
 
@@ -197,10 +197,10 @@ def test_help_config_lists_every_key_with_its_default_and_comment():
     assert "Choices: `auto`, `cpu`, `cuda`." in text
 
 
-def test_readme_config_reference_matches_help_config():
-    readme = read_text(REPO, "README.md")
-    expected = replace_reference(readme, format_config_reference())
-    assert readme == expected, f"README.md's config reference is stale; run {COMMAND}"
+def test_docs_config_reference_matches_help_config():
+    page = read_text(REPO, PAGE)
+    expected = reference_page(format_config_reference())
+    assert page == expected, f"{PAGE} is stale; run {COMMAND}"
 
 
 _SOURCE = """
