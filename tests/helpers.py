@@ -9,6 +9,7 @@ import importlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -348,3 +349,46 @@ def mlflow_server(root: str):
         yield server
     finally:
         server.stop()
+
+
+def slurm_ready() -> str:
+    """Why the local Slurm cannot run a job ("" when it can)."""
+    if shutil.which("srun") is None or shutil.which("sinfo") is None:
+        return "Slurm is not installed (CI starts one: tools/slurm_local.sh up)"
+    try:
+        states = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20
+        ).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return "sinfo does not answer"
+    if not any(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states):
+        return f"no usable Slurm node (sinfo: {states})"
+    return ""
+
+
+def worker_pid(torchrun_pid: int, rank: int) -> int:
+    """The pid of the worker of ``rank`` that torchrun ``torchrun_pid`` started."""
+    for pid in descendants(torchrun_pid):
+        try:
+            cmdline = read_text("/proc", str(pid), "cmdline")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        is_worker = TRAIN_NET in cmdline and "torch.distributed.run" not in cmdline
+        if is_worker and f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no rank {rank} worker found under {torchrun_pid}")
+
+
+def _deepspeed_installed() -> bool:
+    from distribuuuu.strategies.deepspeed import deepspeed_installed
+
+    return deepspeed_installed()
+
+
+# CI installs the dev extra, which brings DeepSpeed: there the tests must run.
+needs_deepspeed = pytest.mark.skipif(
+    not _deepspeed_installed() and not os.environ.get("CI"),
+    reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')",
+)

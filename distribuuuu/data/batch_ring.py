@@ -19,7 +19,7 @@ So a slot is never written while anything can still read it, whatever the
 caller keeps; keeping batches only makes the worker fall back to a new
 segment, as torch does. (Handing a slot back when the next batch is asked
 for would be simpler, and would silently change batches a caller kept:
-``tests/test_batch_ring.py`` shows it.)
+``tests/data/test_batch_ring.py`` shows it.)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ repeats the edge sample.  So the window decoded is the crop widened by 2
 pixels on each side (its left edge moved down to an iMCU boundary, the unit
 libjpeg-turbo crops columns in), and the crop is cut out of it: bit for bit
 the pixels of ``torchvision.io.decode_jpeg`` of the whole image, then the crop
-(``tests/test_jpeg_decoder.py``, for 4:4:4, 4:2:2, 4:2:0 and grey, baseline
+(``tests/data/test_jpeg_decoder.py``, for 4:4:4, 4:2:2, 4:2:0 and grey, baseline
 and progressive; other subsamplings are decoded whole).
 
 The library is driven through ``ctypes`` (TurboJPEG's C API is small and

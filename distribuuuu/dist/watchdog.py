@@ -218,5 +218,5 @@ class _WatchedBatches:
         """The pids of the loader's worker processes (none without workers)."""
         inner = getattr(self.batches, "batches", self.batches)  # a RingLoader's
         # torch's _MultiProcessingDataLoaderIter keeps its processes here (a
-        # private name: tests/test_watchdog.py fails if it changes).
+        # private name: tests/dist/test_watchdog.py fails if it changes).
         return [worker.pid for worker in getattr(inner, "_workers", [])]

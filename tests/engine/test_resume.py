@@ -17,13 +17,13 @@ from helpers import (
     FAST,
     TRAIN_NET,
     assert_ok,
-    descendants,
     kill_session,
     read_metrics,
     read_text,
     start,
     torchrun,
     train_net,
+    worker_pid,
 )
 
 from distribuuuu.checkpoint import load_full
@@ -163,21 +163,6 @@ def test_sigkill_deepspeed_ranks_then_rerun_is_bitwise_identical(tmp_path):
     _sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, False, deepspeed)
 
 
-def _worker_pid(torchrun_pid: int, rank: int) -> int:
-    """The pid of the worker of ``rank`` that torchrun ``torchrun_pid`` started."""
-    for pid in descendants(torchrun_pid):
-        try:
-            cmdline = read_text("/proc", str(pid), "cmdline")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        is_worker = TRAIN_NET in cmdline and "torch.distributed.run" not in cmdline
-        if is_worker and f"RANK={rank}".encode() in environ:
-            return pid
-    raise AssertionError(f"no rank {rank} worker found under {torchrun_pid}")
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -198,7 +183,7 @@ def test_sigusr1_to_one_rank_stops_all_at_a_step_with_a_checkpoint(tmp_path, mor
             and not (os.path.exists(log) and "train ep 1/2 it 20/" in read_text(log))
         ):
             time.sleep(0.05)
-        os.kill(_worker_pid(proc.pid, 1), signal.SIGUSR1)
+        os.kill(worker_pid(proc.pid, 1), signal.SIGUSR1)
         signalled = time.time()
         proc.communicate(timeout=60)
         assert time.time() - signalled < 20

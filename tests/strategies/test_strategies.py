@@ -31,8 +31,8 @@ def test_only_dp_drives_more_than_one_device_per_process():
     assert many == ["dp"]
 
 
-# A pipeline needs a process per stage (tests/test_pipeline.py); DeepSpeed's
-# engine owns its optimizer and process group (tests/test_deepspeed.py).
+# A pipeline needs a process per stage (tests/strategies/test_pipeline.py); DeepSpeed's
+# engine owns its optimizer and process group (tests/strategies/test_deepspeed.py).
 @pytest.mark.parametrize("name", sorted(set(STRATEGIES) - {"pipeline", "deepspeed"}))
 def test_each_strategy_in_one_process_trains_like_a_plain_loop(name):
     torch.manual_seed(0)

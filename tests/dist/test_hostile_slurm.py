@@ -19,14 +19,14 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import slurm_ready
 from helpers import REPO, TINY, TRAIN_NET, descendants, kill_tree, run_command, start
-from test_slurm import _slurm_ready
 
 import distribuuuu.dist.group as du
 from distribuuuu.dist.peers import peer_failure
 
 needs_slurm = pytest.mark.skipif(
-    bool(_slurm_ready()), reason=_slurm_ready() or "Slurm is up"
+    bool(slurm_ready()), reason=slurm_ready() or "Slurm is up"
 )
 
 # The environment Slurm 22.05 gives a batch script of `sbatch -n 2` (abridged)

@@ -19,11 +19,11 @@ from helpers import (
     process_table,
     read_text,
     run_command,
+    slurm_ready,
     start,
     torchrun,
+    worker_pid,
 )
-from test_resume import _worker_pid
-from test_slurm import _slurm_ready
 
 # AlexNet (57 M parameters): its checkpoint with the SGD momentum is 456 MB and
 # takes about 1.4 s to write and fsync on the CI machine.
@@ -84,7 +84,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slurm
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.skipif(bool(_slurm_ready()), reason=_slurm_ready() or "ok")
+@pytest.mark.skipif(bool(slurm_ready()), reason=slurm_ready() or "ok")
 def test_sigusr1_under_srun_kill_on_bad_exit_keeps_the_checkpoint(tmp_path):
     """SIGUSR1 to a 2-task step: no task exits before rank 0's checkpoint is
     complete (srun --kill-on-bad-exit would end the step mid-write), both exit
@@ -173,7 +173,7 @@ def test_torchrun_restarts_a_killed_worker_and_ends_bitwise_identical(tmp_path):
         while not os.path.exists(first) and time.time() < deadline:
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.02)
-        os.kill(_worker_pid(proc.pid, 0), signal.SIGKILL)
+        os.kill(worker_pid(proc.pid, 0), signal.SIGKILL)
         done = os.path.join(killed, "checkpoints", "ckpt_ep_0002.pth")
         assert not os.path.exists(done), "killed too late: the run had ended"
         out, err = proc.communicate(timeout=300)

@@ -19,6 +19,7 @@ from helpers import (
     TRAIN_NET,
     assert_ok,
     free_port,
+    needs_deepspeed,
     read_metrics,
     refused,
     run_command,
@@ -28,15 +29,9 @@ from helpers import (
 
 from distribuuuu.dist import group as du
 from distribuuuu.strategies import deepspeed as deepspeed_strategy
-from distribuuuu.strategies.deepspeed import deepspeed_installed
 from distribuuuu.strategies.deepspeed_config import generated_config, merge
 from distribuuuu.strategies.precision import auto_precision, fp16_allowed
 
-# CI installs the dev extra, which brings DeepSpeed: there the tests must run.
-needs_deepspeed = pytest.mark.skipif(
-    not deepspeed_installed() and not os.environ.get("CI"),
-    reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')",
-)
 # One epoch of LeNet-5 on the embedded digits, 2 processes x 64.
 LENET = ["MODEL.ARCH", "lenet5", "OPTIM.MAX_EPOCH", "1", "RNG_SEED", "3"]
 LENET += ["TRAIN.PRINT_FREQ", "100"]

@@ -53,7 +53,7 @@ from distribuuuu.tools import predict
 
 __all__ = ["out_dir", "trained_out_dir"]  # fixtures, from test_hostile
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLASSES, PER_CLASS = 2, 3  # make_image_folder(root, CLASSES, PER_CLASS)
 
 

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, call_main
-from test_deepspeed import needs_deepspeed
+from helpers import TINY, call_main, needs_deepspeed
 from test_hostile import assert_one_error_line, snapshot
 
 from distribuuuu.checkpoint import RefusedCheckpointError, check_deepspeed_files
@@ -34,7 +33,7 @@ from distribuuuu.checkpoint.deepspeed_files import torch_pickle_of, weights_only
 from distribuuuu.checkpoint.format import DEEPSPEED, DEEPSPEED_LAYOUT
 from distribuuuu.config import get_cfg
 
-FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed_files"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "deepspeed_files"
 # Every kind of file, as (layout folder, file name).
 FILE_KINDS = sorted((path.parent.name, path.name) for path in FIXTURES.glob("*/*.pt"))
 assert len(FILE_KINDS) == 6, f"the fixtures in {FIXTURES} are incomplete"

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from helpers import slurm_ready
 from helpers import (
     FAST,
     TRAIN_NET,
@@ -26,21 +27,7 @@ from helpers import (
 from distribuuuu.models import build_model
 
 
-def _slurm_ready() -> str:
-    if shutil.which("srun") is None or shutil.which("sinfo") is None:
-        return "Slurm is not installed (CI starts one: tools/slurm_local.sh up)"
-    try:
-        states = subprocess.run(
-            ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20
-        ).stdout.split()
-    except (OSError, subprocess.TimeoutExpired):
-        return "sinfo does not answer"
-    if not any(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states):
-        return f"no usable Slurm node (sinfo: {states})"
-    return ""
-
-
-pytestmark = pytest.mark.skipif(bool(_slurm_ready()), reason=_slurm_ready() or "ok")
+pytestmark = pytest.mark.skipif(bool(slurm_ready()), reason=slurm_ready() or "ok")
 
 
 def _sbatch(option: str, log_dir, *args: str) -> list[str]:
