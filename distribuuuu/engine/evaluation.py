@@ -35,6 +35,7 @@ from distribuuuu.engine.numerics import (
     module_tensors,
 )
 from distribuuuu.engine.resume import save_best_weights
+from distribuuuu.engine.run_log import log_evaluation
 from distribuuuu.engine.session import run_context
 from distribuuuu.engine.state import TrainState
 from distribuuuu.engine.tta import tta_logits
@@ -49,7 +50,6 @@ from distribuuuu.reporting.meters import (
     per_class_top1,
     progress_bar,
 )
-from distribuuuu.reporting.run_log import log_evaluation
 from distribuuuu.reporting.writer import MetricsWriter
 from distribuuuu.strategies.precision import autocast, resolve_precision
 

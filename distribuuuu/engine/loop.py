@@ -20,11 +20,11 @@ from yacs.config import CfgNode
 from distribuuuu.dist import group as du
 from distribuuuu.engine.losses import Distilled, TrainLoss, build_train_loss, mix_seed
 from distribuuuu.engine.profiling import StepProfiler
+from distribuuuu.engine.run_log import TrainStatus, log_train_window
 from distribuuuu.engine.state import TrainState
 from distribuuuu.logger import end_status, live_console
 from distribuuuu.optim import build as optim
 from distribuuuu.reporting.meters import MetricSums
-from distribuuuu.reporting.run_log import TrainStatus, log_train_window
 from distribuuuu.strategies.base import MicroBatch
 from distribuuuu.strategies.precision import autocast
 

@@ -39,6 +39,7 @@ from distribuuuu.engine.evaluation import (
 )
 from distribuuuu.engine.loop import StopRequest, train_epoch
 from distribuuuu.engine.resume import resume_or_load, save_training_checkpoint
+from distribuuuu.engine.run_log import log_training_images
 from distribuuuu.engine.session import resolve_seed, run_context, seed_everything
 from distribuuuu.engine.state import BatchPlan, RunClock, TrainState, plan_batches
 from distribuuuu.models import build_configured, build_model, zero_init_residual
@@ -46,8 +47,8 @@ from distribuuuu.models.ema import ModelEma
 from distribuuuu.models.recompute import enable_activation_checkpointing
 from distribuuuu.reporting import reports
 from distribuuuu.reporting.meters import PeakMemory
-from distribuuuu.reporting.run_log import log_training_images
-from distribuuuu.reporting.trackers import FAILED, FINISHED, KILLED, build_trackers
+from distribuuuu.reporting.remote_trackers import build_trackers
+from distribuuuu.reporting.trackers import FAILED, FINISHED, KILLED
 from distribuuuu.reporting.writer import MetricsWriter
 from distribuuuu.strategies import Strategy, build_strategy, strategy_class
 from distribuuuu.strategies.precision import resolve_auto_precision, resolve_precision

@@ -33,6 +33,8 @@ from distribuuuu.reporting.trackers import (
     FAILED,
     FINISHED,
     KILLED,
+    CsvTracker,
+    TensorboardTracker,
     Tracker,
     tracked_metrics,
 )
@@ -420,3 +422,15 @@ class WandbTracker(_RemoteTracker):
             for path in best:  # "mutable": W&B copies it at once
                 artifact.add_file(found[path], name=os.path.basename(path))
             run.log_artifact(artifact)
+
+
+def build_trackers(cfg: CfgNode) -> list[Tracker]:
+    """The trackers of LOG.TRACKERS (metrics.jsonl is not one: it is always
+    written); call on rank 0 only."""
+    builders = {
+        "tensorboard": lambda: TensorboardTracker(cfg.OUT_DIR),
+        "csv": lambda: CsvTracker(cfg.OUT_DIR),
+        "mlflow": lambda: MlflowTracker(cfg),
+        "wandb": lambda: WandbTracker(cfg),
+    }
+    return [builders[name]() for name in cfg.LOG.TRACKERS if name in builders]

@@ -261,17 +261,3 @@ def _rewrite_csv(path: str, header: list[str], rows: list[dict]) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-
-
-def build_trackers(cfg: CfgNode) -> list[Tracker]:
-    """The trackers of LOG.TRACKERS (metrics.jsonl is not one: it is always
-    written); call on rank 0 only."""
-    from distribuuuu.reporting.remote_trackers import MlflowTracker, WandbTracker
-
-    builders = {
-        "tensorboard": lambda: TensorboardTracker(cfg.OUT_DIR),
-        "csv": lambda: CsvTracker(cfg.OUT_DIR),
-        "mlflow": lambda: MlflowTracker(cfg),
-        "wandb": lambda: WandbTracker(cfg),
-    }
-    return [builders[name]() for name in cfg.LOG.TRACKERS if name in builders]

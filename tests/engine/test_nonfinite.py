@@ -23,9 +23,9 @@ from distribuuuu.engine import trainer
 from distribuuuu.engine.evaluation import keep_best
 from distribuuuu.engine.numerics import NonFiniteError, all_finite
 from distribuuuu.engine.resume import save_training_checkpoint
+from distribuuuu.engine.run_log import stop_on_nonfinite_loss
 from distribuuuu.engine.session import run_context
 from distribuuuu.models import build_model
-from distribuuuu.reporting.run_log import stop_on_nonfinite_loss
 from distribuuuu.reporting.writer import MetricsWriter
 
 # A learning rate so high that the first step sends the weights to ~1e30 and

@@ -12,9 +12,9 @@ from torch import nn
 
 from distribuuuu.config import load_cfg
 from distribuuuu.engine import evaluation, trainer
+from distribuuuu.engine.run_log import format_scaling, throughput, watch_data_time
 from distribuuuu.logger import setup_logging
 from distribuuuu.reporting.meters import DataBoundWatch, PeakMemory
-from distribuuuu.reporting.run_log import format_scaling, throughput, watch_data_time
 from distribuuuu.strategies.dp import DataParallelStrategy
 
 

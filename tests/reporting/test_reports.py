@@ -200,7 +200,7 @@ def test_image_grid_shows_the_augmented_training_images():
     before normalisation: the first tile is sample 0 under the run's seed."""
     from distribuuuu.config import load_cfg
     from distribuuuu.data import build_dataset
-    from distribuuuu.reporting.run_log import log_training_images
+    from distribuuuu.engine.run_log import log_training_images
 
     class Capture:
         def image(self, tag: str, pixels) -> None:
