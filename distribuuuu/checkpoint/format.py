@@ -13,13 +13,11 @@ import logging
 import random
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:  # imported for the annotations only
-    pass
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -253,15 +251,24 @@ def model_weights(state: Any) -> Any:
     return state.get(MODEL, state) if isinstance(state, dict) else state
 
 
-def best_weights(model: dict, epoch: int, top1: float, classes, cfg) -> dict:
-    """The contents of ``best.pth``: weights with what inference needs."""
+def best_weights(
+    model: dict,
+    *,
+    epoch: int,
+    top1: float,
+    classes: list[str],
+    arch: str,
+    config_dump: str,
+) -> dict:
+    """The contents of ``best.pth``: weights with what inference needs
+    (``config_dump``: the run's config as yaml text)."""
     return {
         MODEL: model,
         "epoch": epoch,
         "top1": top1,
-        "arch": cfg.MODEL.ARCH,
+        "arch": arch,
         "classes": classes,
-        "cfg": cfg.dump(),
+        "cfg": config_dump,
     }
 
 
@@ -326,3 +333,27 @@ def restore_rng_state(state: dict, devices: Sequence[torch.device] = ()) -> None
         pairs = list(zip(gpus, saved))
     for gpu, gpu_state in pairs:
         torch.cuda.set_rng_state(gpu_state, gpu)
+
+
+# A tensor-parallel torchvision ViT keeps each attention's q, k and v apart;
+# its checkpoints hold them fused, under torchvision's names.
+def fuse_qkv(state: dict, prefix: str | None = None) -> dict:
+    """``state`` with the q, k, v entries of each split attention (under
+    ``prefix``, or every ``self_attention.`` one) fused into torchvision's
+    ``in_proj_weight`` and ``in_proj_bias``, in place; plain tensors only."""
+    prefixes = [prefix] if prefix is not None else [
+        key[: -len("q.weight")] for key in state
+        if key.endswith("self_attention.q.weight")
+    ]  # fmt: skip
+    for start in prefixes:
+        for kind in ("weight", "bias"):
+            names = [f"{start}{n}.{kind}" for n in "qkv"]
+            parts = [state.get(n) for n in names]
+            if not all(_plain(p) for p in parts):
+                continue
+            state[f"{start}in_proj_{kind}"] = torch.cat([state.pop(n) for n in names])
+    return state
+
+
+def _plain(value) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)

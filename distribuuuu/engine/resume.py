@@ -53,7 +53,7 @@ def save_training_checkpoint(
     weights = strategy.save_weights(state.model, state.optimizer, state.ema,
                                     cfg.OUT_DIR, name)  # fmt: skip
     rng = du.all_gather_object(capture_rng_state(strategy.devices(state.model)))
-    saved = state.state_dict(weights, rng, cfg)
+    saved = state.state_dict(weights, rng, arch=cfg.MODEL.ARCH, config_dump=cfg.dump())
     error = None
     if du.is_main_process():
         try:
@@ -81,7 +81,14 @@ def save_best_weights(cfg: CfgNode, state: TrainState, top1: float, name: str):
     whole = state.strategy.model_state_dict(state.model)
     if du.is_main_process():
         epoch = state.progress.epoch
-        weights = best_weights(whole, epoch, top1, state.classes, cfg)
+        weights = best_weights(
+            whole,
+            epoch=epoch,
+            top1=top1,
+            classes=state.classes,
+            arch=cfg.MODEL.ARCH,
+            config_dump=cfg.dump(),
+        )
         path = os.path.join(cfg.OUT_DIR, name)
         cp.save_weights(path, weights)
         state.writer.wrote_file(path)  # what UPLOAD_BEST may upload

@@ -157,14 +157,17 @@ class TrainState:
     teacher: nn.Module | None = None  # TRAIN.DISTILL's, in eval mode; never saved
     data_watch: DataBoundWatch = field(default_factory=DataBoundWatch)
 
-    def state_dict(self, weights: dict, rng: list, cfg: CfgNode) -> dict:
+    def state_dict(
+        self, weights: dict, rng: list, *, arch: str, config_dump: str
+    ) -> dict:
         """The training checkpoint: ``weights`` (the strategy's model,
-        optimizer and EMA entries), every rank's ``rng`` state, and the rest
-        of the run's state."""
+        optimizer and EMA entries), every rank's ``rng`` state, the model's
+        ``arch``, the run's config as yaml text, and the rest of the run's
+        state."""
         run = {
-            "arch": cfg.MODEL.ARCH,
+            "arch": arch,
             "classes": self.classes,
-            "cfg": cfg.dump(),
+            "cfg": config_dump,
             "tracker_runs": self.writer.run_ids(),
             "ema_counters": None if self.ema is None else self.ema.counters(),
         }

@@ -30,7 +30,14 @@ def _checkpoint(path, epoch: int, seed: int) -> dict:
 
     cfg = get_cfg()
     cfg.MODEL.ARCH = "resnet8"
-    state = {**best_weights(model.state_dict(), epoch, 50.0, list("0123456789"), cfg)}
+    state = best_weights(
+        model.state_dict(),
+        epoch=epoch,
+        top1=50.0,
+        classes=list("0123456789"),
+        arch=cfg.MODEL.ARCH,
+        config_dump=cfg.dump(),
+    )
     torch.save(state, path)
     return model.state_dict()
 
