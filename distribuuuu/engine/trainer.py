@@ -41,6 +41,7 @@ from distribuuuu.engine.loop import StopRequest, train_epoch
 from distribuuuu.engine.resume import resume_or_load, save_training_checkpoint
 from distribuuuu.engine.run_log import log_training_images
 from distribuuuu.engine.session import resolve_seed, run_context, seed_everything
+from distribuuuu.engine.specs import tracker_spec
 from distribuuuu.engine.state import BatchPlan, RunClock, TrainState, plan_batches
 from distribuuuu.models import build_configured, build_model, zero_init_residual
 from distribuuuu.models.ema import ModelEma
@@ -71,7 +72,7 @@ def train_model(cfg: CfgNode) -> dict:
             strategy_class(cfg).write_config(cfg, info.world_size)
             for path in cp.remove_stale_files(cfg.OUT_DIR):
                 logger.info("removed %s, left by a save that was killed", path)
-        trackers = build_trackers(cfg) if info.rank == 0 else []
+        trackers = build_trackers(tracker_spec(cfg)) if info.rank == 0 else []
         writer = MetricsWriter(cfg.OUT_DIR, info.rank == 0, trackers)
         status = FAILED
         try:

@@ -25,10 +25,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from yacs.config import CfgNode
-
-from distribuuuu.config import flat_cfg
 from distribuuuu.reporting.trackers import (
     FAILED,
     FINISHED,
@@ -59,6 +57,41 @@ START_WAIT = 10.0
 _MLFLOW_BATCH, _MLFLOW_PARAM_CHARS = 100, 6000
 # The name of every tracker thread begins with it.
 _THREAD_PREFIX = "tracker-"
+
+
+@dataclass(frozen=True)
+class MlflowSpec:
+    """Where the MLflow run goes (LOG.MLFLOW)."""
+
+    tracking_uri: str  # empty: MLflow reads the environment
+    experiment: str  # empty: MLFLOW_EXPERIMENT_NAME, else MLflow's "Default"
+    run_name: str  # empty: the name of the output folder
+    upload_best: bool  # best.pth and best_ema.pth go up at the end
+
+
+@dataclass(frozen=True)
+class WandbSpec:
+    """Where the W&B run goes (LOG.WANDB)."""
+
+    project: str
+    entity: str
+    mode: str
+    run_name: str  # empty: the name of the output folder
+    upload_best: bool
+
+
+@dataclass(frozen=True)
+class TrackerSpec:
+    """What the trackers need of a run: its output folder, LOG.* and the
+    config as flat params (``engine.specs.tracker_spec`` fills it)."""
+
+    out_dir: str
+    trackers: tuple[str, ...]  # LOG.TRACKERS
+    params: dict  # the whole config with dotted keys, logged as params
+    config_file: str  # CFG_DEST: the config rank 0 dumps in out_dir
+    close_timeout: float  # LOG.CLOSE_TIMEOUT, in seconds
+    mlflow: MlflowSpec
+    wandb: WandbSpec
 
 
 def _not_from_trackers(record: logging.LogRecord) -> bool:
@@ -136,19 +169,19 @@ class _RemoteTracker(Tracker):
     latest image of each tag, which ``_finish`` uploads.
     """
 
-    def __init__(self, cfg: CfgNode, keys: CfgNode):
-        self.out_dir = cfg.OUT_DIR
-        self.run_name = keys.RUN_NAME or os.path.basename(os.path.abspath(cfg.OUT_DIR))
-        self.params = flat_cfg(cfg)  # dotted keys
-        names = [cfg.CFG_DEST]
-        if keys.UPLOAD_BEST:
+    def __init__(self, spec: TrackerSpec, keys: MlflowSpec | WandbSpec):
+        self.out_dir = spec.out_dir
+        self.run_name = keys.run_name or os.path.basename(os.path.abspath(spec.out_dir))
+        self.params = spec.params  # dotted keys
+        names = [spec.config_file]
+        if keys.upload_best:
             names += ["best.pth", "best_ema.pth"]
-        self.files = [os.path.join(cfg.OUT_DIR, name) for name in names]
+        self.files = [os.path.join(spec.out_dir, name) for name in names]
         # The files to upload that this run wrote: path -> _file_identity.
         self.written: dict[str, tuple] = {}
         # Rank 0 dumps config.yaml just before it builds the trackers.
         self.wrote_file(self.files[0])
-        self.close_timeout = cfg.LOG.CLOSE_TIMEOUT
+        self.close_timeout = spec.close_timeout
         self.images: dict = {}
         self.started = False
         self.worker = _Worker(self.name)
@@ -210,8 +243,9 @@ class _RemoteTracker(Tracker):
             return None
         wrote = self.written.get(path)
         if wrote is None:
-            logger.info("%s: %s is not uploaded, this run did not write it",
-                        self.name, path)  # fmt: skip
+            logger.info(
+                "%s: %s is not uploaded, this run did not write it", self.name, path
+            )
             return None
         link = os.path.join(folder, os.path.basename(path))
         try:
@@ -248,11 +282,11 @@ class MlflowTracker(_RemoteTracker):
 
     name = "mlflow"
 
-    def __init__(self, cfg: CfgNode):
-        keys = cfg.LOG.MLFLOW
-        super().__init__(cfg, keys)
-        self.uri = keys.TRACKING_URI or None  # None: MLflow reads the environment
-        self.experiment = keys.EXPERIMENT or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+    def __init__(self, spec: TrackerSpec):
+        keys = spec.mlflow
+        super().__init__(spec, keys)
+        self.uri = keys.tracking_uri or None  # None: MLflow reads the environment
+        self.experiment = keys.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
         for name, value in MLFLOW_HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
         self._run_id: str | None = None
@@ -346,9 +380,9 @@ class WandbTracker(_RemoteTracker):
 
     name = "wandb"
 
-    def __init__(self, cfg: CfgNode):
-        keys = cfg.LOG.WANDB
-        super().__init__(cfg, keys)
+    def __init__(self, spec: TrackerSpec):
+        keys = spec.wandb
+        super().__init__(spec, keys)
         self.keys = keys
         # Known before W&B starts, so that the first checkpoint holds it.
         self._run_id = uuid.uuid4().hex[:12]
@@ -366,9 +400,9 @@ class WandbTracker(_RemoteTracker):
 
         self._run_id = run_id or self._run_id
         run = self._run = wandb.init(
-            project=self.keys.PROJECT or None,
-            entity=self.keys.ENTITY or None,
-            mode=self.keys.MODE or None,
+            project=self.keys.project or None,
+            entity=self.keys.entity or None,
+            mode=self.keys.mode or None,
             dir=self.out_dir,
             id=self._run_id,
             name=self.run_name,
@@ -424,13 +458,13 @@ class WandbTracker(_RemoteTracker):
             run.log_artifact(artifact)
 
 
-def build_trackers(cfg: CfgNode) -> list[Tracker]:
+def build_trackers(spec: TrackerSpec) -> list[Tracker]:
     """The trackers of LOG.TRACKERS (metrics.jsonl is not one: it is always
     written); call on rank 0 only."""
     builders = {
-        "tensorboard": lambda: TensorboardTracker(cfg.OUT_DIR),
-        "csv": lambda: CsvTracker(cfg.OUT_DIR),
-        "mlflow": lambda: MlflowTracker(cfg),
-        "wandb": lambda: WandbTracker(cfg),
+        "tensorboard": lambda: TensorboardTracker(spec.out_dir),
+        "csv": lambda: CsvTracker(spec.out_dir),
+        "mlflow": lambda: MlflowTracker(spec),
+        "wandb": lambda: WandbTracker(spec),
     }
-    return [builders[name]() for name in cfg.LOG.TRACKERS if name in builders]
+    return [builders[name]() for name in spec.trackers if name in builders]

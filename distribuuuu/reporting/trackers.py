@@ -1,7 +1,7 @@
 """Experiment trackers: where rank 0 sends a run's params, metrics and files
 besides ``OUT_DIR/metrics.jsonl`` (LOG.TRACKERS).
 
-:class:`~distribuuuu.logger.MetricsWriter` writes metrics.jsonl and hands
+:class:`~distribuuuu.reporting.writer.MetricsWriter` writes metrics.jsonl and hands
 every record to each :class:`Tracker`: tensorboard (``OUT_DIR/tb``), csv
 (``OUT_DIR/metrics_<split>.csv``), MLflow and W&B.  A tracker gets the
 records that tensorboard plots (train windows and evaluations), as
@@ -19,9 +19,8 @@ import importlib
 import logging
 import os
 import stat
+from collections.abc import Iterable
 from typing import IO
-
-from yacs.config import CfgNode
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +32,10 @@ PACKAGES = {"mlflow": "mlflow", "wandb": "wandb"}
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
 
 
-def missing_package(cfg: CfgNode) -> str | None:
-    """What to install for LOG.TRACKERS, in words; None when every package
-    they need imports."""
-    for name in cfg.LOG.TRACKERS:
+def missing_package(trackers: Iterable[str]) -> str | None:
+    """What to install for the ``trackers`` of LOG.TRACKERS, in words; None
+    when every package they need imports."""
+    for name in trackers:
         if name not in PACKAGES:
             continue
         try:

@@ -40,6 +40,7 @@ pytest.importorskip("wandb")
 
 from distribuuuu.config import dump_cfg, flat_cfg, get_cfg  # noqa: E402
 from distribuuuu.engine.resume import save_best_weights  # noqa: E402
+from distribuuuu.engine.specs import tracker_spec  # noqa: E402
 from distribuuuu.reporting.remote_trackers import MlflowTracker, WandbTracker  # noqa: E402
 from distribuuuu.reporting.writer import MetricsWriter  # noqa: E402
 
@@ -236,7 +237,7 @@ def test_logging_never_waits_for_a_dead_server(tmp_path, caplog):
     cfg = get_cfg()
     cfg.OUT_DIR = str(tmp_path)
     cfg.LOG.MLFLOW.TRACKING_URI = f"http://127.0.0.1:{free_port()}"
-    writer = MetricsWriter(cfg.OUT_DIR, True, [MlflowTracker(cfg)])
+    writer = MetricsWriter(cfg.OUT_DIR, True, [MlflowTracker(tracker_spec(cfg))])
     slowest = 0.0
     with caplog.at_level(logging.WARNING, logger="distribuuuu"):
         writer.start({})
@@ -391,7 +392,7 @@ def test_upload_best_sends_only_what_this_run_wrote(
     cfg.LOG.MLFLOW.UPLOAD_BEST = cfg.LOG.WANDB.UPLOAD_BEST = True
     dump_cfg(cfg)
     build = {"mlflow": MlflowTracker, "wandb": WandbTracker}[tracker]
-    writer = MetricsWriter(cfg.OUT_DIR, True, [build(cfg)])
+    writer = MetricsWriter(cfg.OUT_DIR, True, [build(tracker_spec(cfg))])
     writer.start({})
     _best_weights_saved(cfg, writer, "best.pth")
     if planted == "link-after-save":
