@@ -16,7 +16,7 @@ from unittest import mock
 
 import pytest
 
-from distribuuuu.config import ConfigError, get_cfg, load_cfg, merge_cfg, validate_cfg
+from distribuuuu.config import ConfigError, get_cfg, merge_cfg
 from distribuuuu.config.keys import RENAMED
 
 REPO = Path(__file__).resolve().parent.parent
@@ -237,9 +237,10 @@ def check_tool(module: str, argv: list[str], parse_args: bool = True) -> None:
 
 
 def check_train(argv: list[str], sandbox: Path) -> None:
-    """train_net.py's parser takes ``argv``, and its config loads and validates,
-    with folders and files it names stood in for by empty ones in ``sandbox``
-    (the pre-flight checks, which read them, are not run)."""
+    """train_net.py's parser takes ``argv``, and ``train_net.py --print-config``
+    accepts its config, with the folders and files it names stood in for by
+    empty ones in ``sandbox`` (the pre-flight checks, which read them, and the
+    run are not started)."""
     from distribuuuu.tools import train_net
 
     args = parse(train_net.parse_args, argv)
@@ -247,18 +248,31 @@ def check_train(argv: list[str], sandbox: Path) -> None:
         return
     cfg_file = str(REPO / args.cfg_file) if args.cfg_file else None
     cfg = merge_cfg(cfg_file, args.opts)
+    stand_ins = []
     for section in ("TRAIN", "TEST"):
         node = cfg[section]
         if node.DATASET and "{" not in node.DATASET:  # a folder, not shards
             root = sandbox / node.DATASET.lstrip("/")
             (root / node.SPLIT).mkdir(parents=True, exist_ok=True)
-            node.DATASET = str(root)
+            stand_ins += [f"{section}.DATASET", str(root)]
     if cfg.MODEL.WEIGHTS:
         weights = sandbox / cfg.MODEL.WEIGHTS.lstrip("/")
         weights.parent.mkdir(parents=True, exist_ok=True)
         weights.touch()
-        cfg.MODEL.WEIGHTS = str(weights)
-    validate_cfg(cfg)
+        stand_ins += ["MODEL.WEIGHTS", str(weights)]
+    given = ["--cfg", cfg_file] if cfg_file else []
+    code, _, err = run_main(
+        train_net.main, ["--print-config", *given, *args.opts, *stand_ins]
+    )
+    assert code == 0, f"train_net.py --print-config refused it: {err}"
+
+
+def run_main(main, argv: list[str]) -> tuple[int, str, str]:
+    """``main(argv)`` in this process: its exit code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -371,7 +385,134 @@ ERROR_LINES = {
 
 @pytest.mark.parametrize("opts", ERROR_LINES)
 def test_the_error_lines_the_docs_show_are_the_errors_given(opts):
-    with pytest.raises(ConfigError) as error:
-        load_cfg(None, opts.split())
+    from distribuuuu.tools import train_net
+
+    code, _, err = run_main(train_net.main, ["--print-config", *opts.split()])
     pattern = ".*".join(re.escape(part) for part in ERROR_LINES[opts].split("..."))
-    assert re.fullmatch(pattern, str(error.value)), str(error.value)
+    assert code == 2 and re.fullmatch(f"error: {pattern}\n", err), err
+
+
+def test_every_config_key_the_docs_name_now_exists():
+    """The dotted keys in today's README.md and docs/ (the generated reference
+    aside), beside the fixed list above."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    named = set()
+    for page in pages:
+        if page.name != "config-reference.md":
+            named.update(DOTTED_KEY.findall(page.read_text(encoding="utf-8")))
+    named -= set(MISSPELT_IN_THE_DOCS)
+    missing = sorted(key for key in named if not is_config_key(key))
+    assert not missing, f"config keys the docs name but the defaults lack: {missing}"
+    assert "OPTIM.BASE_LR" in named  # the pattern finds keys
+
+
+# A key written in the docs: MODEL.ARCH, TRAIN.DISTILL.TAU (not Image.MAX_...).
+DOTTED_KEY = re.compile(r"(?<![\w.])([A-Z][A-Z0-9_]*(?:\.[A-Z][A-Z0-9_]*)+)(?![\w])")
+# The misspelling the docs show in an error line on purpose.
+MISSPELT_IN_THE_DOCS = ["TRAIN.BATCH_SIZ"]
+
+
+# --------------------------------------------------------------------------- #
+# Links
+# --------------------------------------------------------------------------- #
+
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def prose_lines(text: str) -> list[str]:
+    """The lines of Markdown ``text`` outside fenced code blocks, with inline
+    code spans kept as text (headings) but links inside them never read."""
+    lines, fence = [], ""
+    for line in text.splitlines():
+        marker = re.match(r"^\s*(```+|~~~+)", line)
+        if marker and (not fence or marker.group(1).startswith(fence)):
+            fence = "" if fence else marker.group(1)[:3]
+            continue
+        if not fence:
+            lines.append(line)
+    return lines
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: its text lowercased, punctuation but ``-``
+    and ``_`` dropped, each space a ``-``."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link: its text
+    text = re.sub(r"[^\w\- ]", "", text.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """Every heading anchor of a Markdown page; repeats get ``-1``, ``-2``, ..."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    for line in prose_lines(text):
+        match = HEADING.match(line)
+        if not match:
+            continue
+        base = slug(match.group(2))
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+def broken_links(page: Path) -> list[str]:
+    """The relative links and ``#anchors`` of ``page`` that lead nowhere."""
+    broken = []
+    for line in prose_lines(page.read_text(encoding="utf-8")):
+        line = re.sub(r"(`+)(?:(?!\1).)+\1", "", line)  # no links in code spans
+        for target in LINK.findall(line):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            goal = (page.parent / path).resolve() if path else page
+            if not goal.exists():
+                broken.append(f"{target}: no such file")
+            elif anchor and (
+                goal.suffix != ".md"
+                or anchor not in anchors(goal.read_text(encoding="utf-8"))
+            ):
+                broken.append(f"{target}: no such heading in {goal.name}")
+    return broken
+
+
+def test_every_link_in_the_docs_leads_somewhere():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert len(pages) > 10, "docs/ has its pages"
+    broken = {
+        str(page.relative_to(REPO)): links
+        for page in pages
+        if (links := broken_links(page))
+    }
+    assert not broken, f"links that lead nowhere: {broken}"
+
+
+def test_the_link_check_follows_github_s_anchors_and_fails_on_a_broken_link(
+    tmp_path,
+):
+    assert slug("Safety: untrusted files") == "safety-untrusted-files"
+    assert slug("Tensorboard and `--eval-only`") == "tensorboard-and---eval-only"
+    assert slug("The GPU check: `tools/gpu_check.sh`") == (
+        "the-gpu-check-toolsgpu_checksh"
+    )
+    assert slug("See [Data](data.md) first") == "see-data-first"
+    assert anchors("# A\n## A\n```\n# not a heading\n```\n### A\n") == {
+        "a",
+        "a-1",
+        "a-2",
+    }
+    (tmp_path / "other.md").write_text("# Other page\n\n## Part two\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Here\n\n"
+        "[fine](other.md) [fine](other.md#part-two) [fine](#here) "
+        "[web](https://example.com/x#y) `[code](nowhere.md)`\n"
+        "[gone](missing.md) [no heading](other.md#part-three) [self](#there)\n"
+        "```\n[in a block](nowhere.md)\n```\n"
+    )
+    assert broken_links(page) == [
+        "missing.md: no such file",
+        "other.md#part-three: no such heading in other.md",
+        "#there: no such heading in page.md",
+    ]
