@@ -42,6 +42,9 @@ setup(
             "pytest>=7",
             "pytest-xdist>=3",
             "ruff==0.17.6",
+            # The type check of the README's test command (.mypy.ini); dev
+            # only, never on the GPU machine (tools/gpu_wheels.py).
+            "mypy==2.4.1",
             "timm",
             "deepspeed",
             "onnx",
