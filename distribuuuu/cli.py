@@ -24,11 +24,20 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 
-# Exit codes shared by the tools (train_net.py --help lists them all).
-EXIT_OK = 0
-EXIT_FAILED = 1  # the work failed
-EXIT_UNUSABLE_INPUT = 2  # refused before anything was written
-EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+from distribuuuu.errors import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNUSABLE_INPUT,
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DistributedSetupError,
+    MismatchError,
+    OnnxError,
+    OutputPathError,
+    PeerLostError,
+)
 
 # Errors whose message is written for users: shown without their type name.
 _PLAIN_ERRORS = {
@@ -239,8 +248,6 @@ def default_stop_signals() -> None:
 
 def train_startup_rules(eval_only: bool, dry_run: bool) -> tuple[ErrorExit, ...]:
     """train_net.py before the run: config and input errors exit 2."""
-    from distribuuuu.config import ConfigError
-
     return (
         ErrorExit(ConfigError, EXIT_UNUSABLE_INPUT),
         ErrorExit(
@@ -266,9 +273,6 @@ def train_run_rules(
     """
     import torch.multiprocessing as mp
 
-    from distribuuuu.dist.group import DistributedSetupError
-    from distribuuuu.dist.peers import PeerLostError
-
     def process_failed(error: BaseException) -> str:
         """The line of a failed --num-procs process: its number and error."""
         where = f"process {error.error_index} of {num_procs} failed"
@@ -292,13 +296,6 @@ def train_run_rules(
 
 def checkpoint_tool_rules() -> tuple[ErrorExit, ...]:
     """export, predict, inspect_ckpt: unusable weights, config or image exit 2."""
-    from distribuuuu.checkpoint import OutputPathError
-    from distribuuuu.config import ConfigError
-    from distribuuuu.data import DataError
-    from distribuuuu.inference.export import MismatchError
-    from distribuuuu.inference.onnx import OnnxError
-    from distribuuuu.inference.read import CheckpointError
-
     unusable = (CheckpointError, ConfigError, DataError, OnnxError, OutputPathError)
     return (  # not run under a launcher: every process reports
         ErrorExit(unusable, EXIT_UNUSABLE_INPUT, plain_message, every_rank=True),

@@ -16,6 +16,7 @@ need them, so that a run refused early starts fast.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import tempfile
 import warnings
@@ -24,8 +25,10 @@ from typing import TYPE_CHECKING
 from yacs.config import CfgNode
 
 from distribuuuu.cli import is_rank_zero
-from distribuuuu.config import ConfigError
+from distribuuuu.config import load_cfg
+from distribuuuu.config.validation import check_choice
 from distribuuuu.engine import run_lock
+from distribuuuu.errors import ConfigError, OutDirInUseError, RefusedCheckpointError
 from distribuuuu.job import is_launched
 
 if TYPE_CHECKING:  # torch only for the annotations: imported where it is used
@@ -59,7 +62,8 @@ def check_weights(
     re-initialised).
     """
     from distribuuuu import checkpoint as cp
-    from distribuuuu.inference.read import CheckpointError, read_checkpoint
+    from distribuuuu.errors import CheckpointError
+    from distribuuuu.inference.read import read_checkpoint
 
     try:
         weights = read_checkpoint(path).weights
@@ -83,7 +87,8 @@ def check_launch(cfg: CfgNode, num_procs: int = 1) -> None:
     """
     import torch
 
-    from distribuuuu.dist.group import LaunchError, detect_launch, gpu_index
+    from distribuuuu.dist.group import detect_launch, gpu_index
+    from distribuuuu.errors import LaunchError
     from distribuuuu.strategies import strategy_class
 
     if cfg.DEVICE == "cuda" and not torch.cuda.is_available():
@@ -119,6 +124,58 @@ def check_layout(cfg: CfgNode, world_size: int) -> None:
         strategy_class(cfg).check_layout(cfg, world_size, skeleton)
     except ValueError as error:
         raise ConfigError(str(error)) from error
+
+
+def check_arch(key: str, arch: str) -> None:
+    """``arch`` is a name the model registry builds; without timm, a name
+    that may be timm's names the extra that installs it."""
+    from distribuuuu.models import TIMM_EXTRA, is_model, list_models, timm_installed
+
+    if is_model(arch):
+        return
+    if not timm_installed():
+        close = difflib.get_close_matches(arch, list_models(), n=1)
+        hint = f"; or did you mean {close[0]}?" if close else ""
+        raise ConfigError(
+            f"{key} {arch!r} is not a distribuuuu or torchvision model, and timm, "
+            f"which may have it, is not installed: {TIMM_EXTRA}{hint}"
+        )
+    check_choice(key, arch, list_models())
+
+
+def check_input_size(cfg: CfgNode) -> None:
+    """An input no larger than the model covers (botnet50's position
+    encodings)."""
+    if cfg.MODEL.ARCH != "botnet50":
+        return
+    from distribuuuu.models.botnet import MAX_INPUT_SIZE
+
+    size = max(cfg.TRAIN.IM_SIZE, cfg.TEST.CROP_SIZE)
+    if size > MAX_INPUT_SIZE:
+        key = "TRAIN.IM_SIZE" if size == cfg.TRAIN.IM_SIZE else "TEST.CROP_SIZE"
+        raise ConfigError(
+            f"{key} {size!r} is invalid: botnet50's position encodings cover "
+            f"inputs up to {MAX_INPUT_SIZE} px"
+        )
+
+
+def check_choices(cfg: CfgNode) -> None:
+    """What config/ cannot check, since the registries sit above it: the
+    models named exist and fit the input."""
+    check_arch("MODEL.ARCH", cfg.MODEL.ARCH)
+    if cfg.TRAIN.DISTILL.ARCH:
+        check_arch("TRAIN.DISTILL.ARCH", cfg.TRAIN.DISTILL.ARCH)
+    check_input_size(cfg)
+
+
+def load_checked_cfg(
+    cfg_file: str | None = None, opts: list[str] | None = None
+) -> CfgNode:
+    """:func:`~distribuuuu.config.load_cfg` and :func:`check_choices`: the
+    config a run accepts (what ``train_net.py --print-config`` checks)."""
+    cfg = load_cfg(cfg_file, opts)
+    check_choices(cfg)
+    return cfg
 
 
 def check_model(cfg: CfgNode) -> None:
@@ -162,7 +219,7 @@ def check_trackers(cfg: CfgNode) -> None:
     """The packages of LOG.TRACKERS import (mlflow, wandb)."""
     from distribuuuu.reporting.trackers import missing_package
 
-    missing = missing_package(cfg)
+    missing = missing_package(cfg.LOG.TRACKERS)
     if missing:
         raise ConfigError(missing)
 
@@ -227,7 +284,8 @@ def check_inputs(
     when this created it) and, for training, what
     :func:`check_training_out_dir` checks with ``world_size`` processes.
     """
-    from distribuuuu.data import DataError, check_data
+    from distribuuuu.data import check_data
+    from distribuuuu.errors import DataError
 
     check_out_dir_path(cfg.OUT_DIR)
     try:
@@ -295,7 +353,7 @@ def claim_out_dir(out_dir: str, world_size: int) -> run_lock.RunLock | None:
         return None
     try:
         return run_lock.lock_out_dir(out_dir)
-    except run_lock.OutDirInUseError as error:
+    except OutDirInUseError as error:
         if world_size > 1 and is_launched():
             run_lock.defer_refusal(error)
             return None
@@ -328,7 +386,7 @@ def check_resume(out_dir: str) -> None:
 
     try:
         cp.find_resume_checkpoint(out_dir, warn=False)
-    except cp.RefusedCheckpointError as error:
+    except RefusedCheckpointError as error:
         raise ConfigError(f"OUT_DIR checkpoint {error}; remove it") from error
 
 

@@ -10,13 +10,9 @@ import yaml
 from helpers import REPO, assert_ok, read_text, train_net
 from yacs.config import CfgNode
 
-from distribuuuu.config import (
-    ConfigError,
-    describe_keys,
-    format_config_reference,
-    get_cfg,
-    load_cfg,
-)
+from distribuuuu.config import describe_keys, format_config_reference, get_cfg, load_cfg
+from distribuuuu.errors import ConfigError
+from distribuuuu.preflight import load_checked_cfg
 from distribuuuu.tools.train_net import main as train_net_main
 from distribuuuu.tools.update_config_reference import COMMAND, PAGE, reference_page
 
@@ -129,7 +125,7 @@ def test_original_full_recipe_dump_loads(tmp_path):
 )
 def test_bad_values_raise_one_clear_line(opts, words):
     with pytest.raises(ConfigError) as info:
-        load_cfg(None, opts)
+        load_checked_cfg(None, opts)
     message = str(info.value)
     assert "\n" not in message
     for word in words:

@@ -63,7 +63,8 @@ RUNS = {
     "dp": (False, f"DIST.STRATEGY dp {BF16}", "dp (DataParallel), bf16", ""),
     "gpu_decode": (False, "DATA.DECODER gpu MODEL.NUM_CLASSES 2",
                    "DATA.DECODER gpu on a JPEG folder",
-                   "its pixels against the CPU decoder's: tests/data/test_gpu_decode.py"),
+                   "its pixels against the CPU decoder's: "
+                   "tests/data/test_gpu_decode.py"),
 }  # fmt: skip
 # Seconds kept for the throughput measurement at the end.
 BENCHMARK_S = 75.0

@@ -27,6 +27,7 @@ from distribuuuu.config import (
 )
 from distribuuuu.data import worker_server
 from distribuuuu.engine import run_lock
+from distribuuuu.errors import OutDirInUseError
 
 EXIT_CODES = """exit codes:
   0    done
@@ -50,7 +51,7 @@ every error ends with one line on stderr that starts with "error: "."""
 # Another run holds OUT_DIR's lock: found before the run in one process, or
 # told to every rank of a launched job once they joined the process group.
 OUT_DIR_IN_USE = cli.ErrorExit(
-    run_lock.OutDirInUseError, cli.EXIT_UNUSABLE_INPUT, cli.plain_message
+    OutDirInUseError, cli.EXIT_UNUSABLE_INPUT, cli.plain_message
 )
 
 
@@ -144,6 +145,7 @@ def load_and_check(args: argparse.Namespace) -> CfgNode:
     if one_process and isinstance(workers, int) and workers > 0:
         worker_server.start_worker_server()
     validate_cfg(cfg)
+    preflight.check_choices(cfg)
     cfg.freeze()
     if args.print_config:
         return cfg

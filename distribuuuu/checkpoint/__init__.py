@@ -49,10 +49,6 @@ from distribuuuu.checkpoint.files import (
     DEEPSPEED_TAG,
     LAST_POINTER,
     SHARDED_SUFFIX,
-    DamagedCheckpointError,
-    DiskFullError,
-    OutputPathError,
-    RefusedCheckpointError,
     Retention,
     atomic_write,
     best_checkpoints,
@@ -72,6 +68,12 @@ from distribuuuu.checkpoint.reading import (
     load_full,
     load_model_weights,
     weights_in,
+)
+from distribuuuu.errors import (
+    DamagedCheckpointError,
+    DiskFullError,
+    OutputPathError,
+    RefusedCheckpointError,
 )
 
 # The sharded (DCP) side is imported when first used: torch.distributed.checkpoint

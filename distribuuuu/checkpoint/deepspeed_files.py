@@ -43,6 +43,7 @@ import torch
 
 from distribuuuu.checkpoint.files import DEEPSPEED_SUFFIX, DEEPSPEED_TAG, refused
 from distribuuuu.checkpoint.format import deepspeed_folder_name
+from distribuuuu.errors import ZipLayoutError
 
 # The files DeepSpeed writes into a checkpoint's tag folder.
 _DEEPSPEED_FILE = re.compile(
@@ -131,10 +132,6 @@ _KNOWN_FLAGS = 1 << 3 | 1 << 11
 # The lengths a data descriptor can have: with or without its signature,
 # 4- or 8-byte sizes.
 _DESCRIPTOR_LENGTHS = {12: "<3L", 16: "<4x3L", 20: "<L2Q", 24: "<4xL2Q"}
-
-
-class ZipLayoutError(ValueError):
-    """A zip whose parts two readers could place differently."""
 
 
 @dataclass

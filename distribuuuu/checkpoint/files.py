@@ -3,19 +3,26 @@ and weights-only loading."""
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
 import pickle
 import re
 import shutil
-import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from distribuuuu.errors import (
+    OutputPathError,
+    RefusedCheckpointError,
+)
+from distribuuuu.fileio import (
+    atomic_write,
+    check_output_path,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_POINTER = "last"
@@ -34,102 +41,6 @@ def checkpoint_name(epoch: int, step: int = 0) -> str:
     if step:
         return f"ckpt_ep_{epoch:04d}_it_{step:04d}.pth"
     return f"ckpt_ep_{epoch:04d}.pth"
-
-
-def fsync_dir(directory: str) -> None:
-    """Make a rename in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class DiskFullError(RuntimeError):
-    """No space left while writing a file; the message names it."""
-
-
-def _disk_full(error: BaseException, directory: str) -> bool:
-    """Whether ``error`` came from a full disk.  torch.save reports it as a
-    RuntimeError of its zip writer ("unexpected pos"), so the free space of
-    ``directory`` decides when the error does not say."""
-    if isinstance(error, OSError):
-        return error.errno in (errno.ENOSPC, errno.EDQUOT)
-    try:
-        usage = os.statvfs(directory)
-    except OSError:
-        return False
-    return usage.f_bavail * usage.f_frsize < (1 << 20)
-
-
-def raise_if_disk_full(error: BaseException, directory: str, path: str) -> None:
-    """Raise DiskFullError naming ``path`` when ``error``, raised while writing
-    it into ``directory``, came from a full disk."""
-    if _disk_full(error, directory):
-        raise DiskFullError(f"no space left on device while writing {path}") from error
-
-
-class OutputPathError(ValueError):
-    """An output path that writing would destroy: a device, FIFO, folder or
-    link, or a file that is also an input or another output."""
-
-
-# What an existing path is, when it is not a regular file.
-_KINDS = (
-    (stat.S_ISDIR, "a folder"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
-def check_output_path(path: str) -> None:
-    """Refuse to write ``path`` where it is a symbolic link or exists as
-    anything but a regular file: the rename of a new file would replace the
-    link or the device (``/dev/null`` as root) instead of writing into it."""
-    try:
-        mode = os.lstat(path).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        return  # a new file (or an impossible path, which open() reports)
-    if stat.S_ISLNK(mode):
-        raise OutputPathError(
-            f"{path} is a symbolic link: refusing to replace it; write to the "
-            "file it points to, or to a new path"
-        )
-    if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _KINDS if test(mode)), "no regular file")
-        raise OutputPathError(
-            f"{path} is {kind}, not a regular file: refusing to replace it; "
-            "write to a file"
-        )
-
-
-def atomic_write(path: str, write: Callable[[Any], Any]) -> None:
-    """Call ``write(file)`` on a temporary file, fsync it and rename it to ``path``.
-
-    On any failure the temporary file is removed and ``path`` keeps what it
-    held; a full disk raises DiskFullError naming ``path``.  A ``path`` that
-    is a link or not a regular file raises OutputPathError before anything
-    is written.
-    """
-    check_output_path(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as error:
-        raise_if_disk_full(error, directory, path)
-        raise
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    fsync_dir(directory)
 
 
 def _identity(path: str) -> tuple:
@@ -309,17 +220,9 @@ def _prune(out_dir: str, retention: Retention) -> None:
         _write_scores(directory, {n: v for n, v in scores.items() if n in names})
 
 
-class RefusedCheckpointError(ValueError):
-    """A file that would build objects or reach files a checkpoint never does."""
-
-
 def refused(reason: str) -> RefusedCheckpointError:
     """A RefusedCheckpointError saying why."""
     return RefusedCheckpointError(f"refused to load it: {reason}")
-
-
-class DamagedCheckpointError(ValueError):
-    """A checkpoint that is incomplete, truncated or fails its checksums."""
 
 
 def sharded_dir(path: str, suffix: str = SHARDED_SUFFIX) -> str:

@@ -21,8 +21,6 @@ from distribuuuu.checkpoint.files import (
     CHECKPOINT_FILE,
     DEEPSPEED_TAG,
     LAST_POINTER,
-    DamagedCheckpointError,
-    RefusedCheckpointError,
     error_summary,
     list_checkpoints,
     load_file,
@@ -30,13 +28,14 @@ from distribuuuu.checkpoint.files import (
 from distribuuuu.checkpoint.format import (
     MODEL,
     deepspeed_folder_name,
+    fuse_qkv,
     is_sharded_checkpoint,
     is_training_checkpoint,
     model_weights,
     shard_manifest_of,
 )
+from distribuuuu.errors import DamagedCheckpointError, RefusedCheckpointError
 from distribuuuu.logger import FILE_ONLY
-from distribuuuu.models.vit import fuse_qkv
 
 logger = logging.getLogger(__name__)
 

@@ -42,8 +42,6 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from distribuuuu.checkpoint.files import (
     CHECKPOINT_DIR,
     SHARDED_SUFFIX,
-    DamagedCheckpointError,
-    RefusedCheckpointError,
     error_summary,
     fsync_dir,
     raise_if_disk_full,
@@ -52,6 +50,7 @@ from distribuuuu.checkpoint.files import (
 )
 from distribuuuu.checkpoint.format import shards_folder
 from distribuuuu.dist import group as du
+from distribuuuu.errors import DamagedCheckpointError, RefusedCheckpointError
 
 
 def _sha256(path: str) -> str:

@@ -30,7 +30,6 @@ from distribuuuu.config.keys import (
     OPTIMIZERS,
     PRECISIONS,
     STRATEGIES,
-    ConfigError,
 )
 from distribuuuu.config.loading import (
     MAX_YAML_BYTES,
@@ -48,6 +47,7 @@ from distribuuuu.config.loading import (
 )
 from distribuuuu.config.reference import describe_keys, format_config_reference
 from distribuuuu.config.validation import resolve_data_name, validate_cfg
+from distribuuuu.errors import ConfigError
 
 __all__ = [
     "AUTO_AUGMENTS",

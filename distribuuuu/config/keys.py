@@ -12,11 +12,6 @@ from typing import Any
 
 from yacs.config import CfgNode
 
-
-class ConfigError(ValueError):
-    """A config value, key or file that cannot be used; the message is one line."""
-
-
 # Keys whose default is null, with the type they take otherwise.
 NULLABLE = {"MODEL.WEIGHTS": str, "RNG_SEED": int}
 # Element type of list keys (checked on every element).

@@ -20,15 +20,10 @@ import yaml
 from yacs.config import CfgNode
 
 from distribuuuu.config.defaults import DEFAULTS, get_cfg
-from distribuuuu.config.keys import (
-    LIST_ITEMS,
-    NULLABLE,
-    RENAMED,
-    ConfigError,
-    all_keys,
-    get_key,
-)
+from distribuuuu.config.keys import LIST_ITEMS, NULLABLE, RENAMED, all_keys, get_key
 from distribuuuu.config.validation import validate_cfg
+from distribuuuu.errors import ConfigError
+from distribuuuu.fileio import atomic_write
 
 # The package's logger, as before the split (the renamed-key warnings).
 logger = logging.getLogger("distribuuuu.config")
@@ -320,16 +315,18 @@ def load_cfg(cfg_file: str | None = None, opts: list[str] | None = None) -> CfgN
     return cfg
 
 
-def dump_cfg(cfg: CfgNode, out_dir: str | None = None) -> str:
+def dump_cfg(
+    cfg: CfgNode, out_dir: str | None = None, *, text: str | None = None
+) -> str:
     """Write ``cfg`` to ``OUT_DIR/CFG_DEST`` (call on rank 0); return the path.
 
-    Atomic, as checkpoints are: a crash, a signal or a full disk leaves no
-    partial file.
+    ``text``: the yaml to write instead of ``cfg.dump()`` (the run's record,
+    with the values it resolved).  Atomic, as checkpoints are: a crash, a
+    signal or a full disk leaves no partial file.
     """
-    from distribuuuu.checkpoint import atomic_write  # imports torch: at run time
-
     path = os.path.join(out_dir or cfg.OUT_DIR, cfg.CFG_DEST)
-    atomic_write(path, lambda f: f.write(cfg.dump().encode("utf-8")))
+    text = cfg.dump() if text is None else text
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
     return path
 
 

@@ -17,13 +17,8 @@ from typing import Any
 
 from yacs.config import CfgNode
 
-from distribuuuu.config.keys import (
-    CHOICES,
-    RANGES,
-    TRACKERS,
-    ConfigError,
-    get_key,
-)
+from distribuuuu.config.keys import CHOICES, RANGES, TRACKERS, get_key
+from distribuuuu.errors import ConfigError
 
 # Classes of the data sets with a fixed label set.
 _FIXED_CLASSES = {"mnist5k": 10, "cifar10": 10, "cifar100": 100}
@@ -43,7 +38,8 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{key} {value!r} is invalid: {allowed}")
 
 
-def _choice(key: str, value: Any, choices: tuple | list) -> None:
+def check_choice(key: str, value: Any, choices: tuple | list) -> None:
+    """ConfigError unless ``value`` is one of ``choices`` (naming the closest)."""
     if value in choices:
         return
     close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
@@ -53,33 +49,10 @@ def _choice(key: str, value: Any, choices: tuple | list) -> None:
     raise ConfigError(f"{key} {value!r} is invalid: choose one of {shown}{hint}")
 
 
-def _check_arch(key: str, arch: str) -> None:
-    """A name the registry builds; without timm, a name that may be timm's
-    names the extra that installs it."""
-    from distribuuuu.models import (  # imported lazily
-        TIMM_EXTRA,
-        is_model,
-        list_models,
-        timm_installed,
-    )
-
-    if is_model(arch):
-        return
-    if not timm_installed():
-        close = difflib.get_close_matches(arch, list_models(), n=1)
-        hint = f"; or did you mean {close[0]}?" if close else ""
-        raise ConfigError(
-            f"{key} {arch!r} is not a distribuuuu or torchvision model, and timm, "
-            f"which may have it, is not installed: {TIMM_EXTRA}{hint}"
-        )
-    _choice(key, arch, list_models())
-
-
 def _validate_values(cfg: CfgNode) -> None:
-    """Each key alone: a known MODEL.ARCH, the choices, the ranges."""
-    _check_arch("MODEL.ARCH", cfg.MODEL.ARCH)
+    """Each key alone: the choices, the ranges (MODEL.ARCH: pre-flight)."""
     for key, choices in CHOICES.items():
-        _choice(key, get_key(cfg, key), choices)
+        check_choice(key, get_key(cfg, key), choices)
     for key, (test, allowed) in RANGES.items():
         _check(test(get_key(cfg, key)), key, get_key(cfg, key), allowed)
 
@@ -273,7 +246,6 @@ def _validate_distill(cfg: CfgNode) -> None:
     if not (distill.ARCH or distill.WEIGHTS):
         return
     _check(bool(distill.ARCH), "TRAIN.DISTILL.ARCH", "", "must name the teacher")
-    _check_arch("TRAIN.DISTILL.ARCH", distill.ARCH)
     if not os.path.isfile(distill.WEIGHTS):
         raise ConfigError(
             f"TRAIN.DISTILL.WEIGHTS: no such file {distill.WEIGHTS!r} (the "
@@ -290,8 +262,7 @@ def _validate_distill(cfg: CfgNode) -> None:
 
 def _validate_model(cfg: CfgNode) -> None:
     """MODEL: FINETUNE has WEIGHTS to start from, MODEL.WEIGHTS is a file,
-    ZERO_INIT_RESIDUAL is not asked of pretrained weights, botnet50's input
-    is no larger than its position encodings."""
+    and ZERO_INIT_RESIDUAL is not asked of pretrained weights."""
     _check(
         not cfg.MODEL.FINETUNE or bool(cfg.MODEL.WEIGHTS),
         "MODEL.FINETUNE",
@@ -307,16 +278,6 @@ def _validate_model(cfg: CfgNode) -> None:
     )
     if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
         raise ConfigError(f"MODEL.WEIGHTS: no such file {cfg.MODEL.WEIGHTS}")
-    if cfg.MODEL.ARCH == "botnet50":
-        from distribuuuu.models.botnet import MAX_INPUT_SIZE
-
-        size = max(cfg.TRAIN.IM_SIZE, cfg.TEST.CROP_SIZE)
-        _check(
-            size <= MAX_INPUT_SIZE,
-            "TRAIN.IM_SIZE" if size == cfg.TRAIN.IM_SIZE else "TEST.CROP_SIZE",
-            size,
-            f"botnet50's position encodings cover inputs up to {MAX_INPUT_SIZE} px",
-        )
 
 
 def _check_data_paths(cfg: CfgNode, name: str) -> None:
@@ -431,7 +392,7 @@ def _validate_log(cfg: CfgNode) -> None:
     """LOG.TRACKERS: known trackers, each once."""
     trackers = cfg.LOG.TRACKERS
     for name in trackers:
-        _choice("LOG.TRACKERS", name, TRACKERS)
+        check_choice("LOG.TRACKERS", name, TRACKERS)
     twice = sorted({name for name in trackers if trackers.count(name) > 1})
     _check(not twice, "LOG.TRACKERS", trackers, f"lists {', '.join(twice)} twice")
 

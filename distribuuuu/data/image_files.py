@@ -24,16 +24,12 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torchvision.transforms.v2.functional import pil_to_tensor
 
+from distribuuuu.errors import DataError
+
 try:  # torchvision 0.29 deprecates its image decoders in favour of TorchCodec
     from torchvision.io import ImageReadMode, decode_image
 except ImportError:  # gone in a later torchvision: every file goes through PIL
     decode_image = None
-
-
-class DataError(ValueError):
-    """A data set, folder or file that cannot be used; the message names it.
-
-    Defined here, below every other data module (``datasets`` imports it)."""
 
 
 # Formats that the tensor decoder hands to ``torchvision.io`` (PIL's names for

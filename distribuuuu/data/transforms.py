@@ -8,6 +8,10 @@ from torchvision.transforms.v2 import functional as F
 
 from distribuuuu.data.jpeg import JpegFile, pack_channels
 
+# The TEST.TTA modes whose views are crops of a bigger evaluation image
+# (their views: engine/tta.py).
+CROP_MODES = ("five_crop", "ten_crop")
+
 
 def auto_augment(
     name: str, policy: str = "imagenet", num_ops: int = 2, magnitude: int = 9

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from distribuuuu.errors import DistributedSetupError, LaunchError
 from distribuuuu.dist.peers import (
     backend_reason,
     forget_group,
@@ -44,14 +45,6 @@ logger = logging.getLogger(__name__)
 # that two jobs sharing a node do not collide.
 _SLURM_PORT_BASE = 20000
 _SLURM_PORT_SPAN = 20000
-
-
-class DistributedSetupError(RuntimeError):
-    """The process group could not be formed (peers missing, port taken, ...)."""
-
-
-class LaunchError(ValueError):
-    """The environment describes a launch that cannot work (e.g. srun forgotten)."""
 
 
 # Slurm's step ids of a job's batch script and of its "extern" step (processes

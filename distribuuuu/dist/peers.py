@@ -13,12 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from distribuuuu.errors import PeerLostError
+
 if TYPE_CHECKING:  # imported for the annotations only
     from distribuuuu.dist.group import LaunchInfo
-
-
-class PeerLostError(RuntimeError):
-    """A collective failed because other processes of the job stopped answering."""
 
 
 # The group joined by setup_distributed: rank, world size, timeout and its

@@ -33,8 +33,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from distribuuuu.errors import LoaderTimeoutError
 from distribuuuu.dist import peers
-from distribuuuu.dist.peers import PeerLostError
+from distribuuuu.errors import PeerLostError
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,6 @@ GRACE_S = 15.0
 # The store is asked every this many seconds for a failed peer.
 PEER_POLL_S = 5.0
 _SIGNAL = signal.SIGALRM
-
-
-class LoaderTimeoutError(RuntimeError):
-    """No batch came from a loader within DATA.TIMEOUT seconds."""
 
 
 class Watchdog:

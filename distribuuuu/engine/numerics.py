@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from distribuuuu.dist import group as du
+from distribuuuu.errors import NonFiniteError
 
 logger = logging.getLogger(__name__)
 
@@ -18,11 +19,6 @@ NONFINITE_ADVICE = (
     "lower OPTIM.BASE_LR or set OPTIM.CLIP_GRAD_NORM, and check that "
     "MODEL.WEIGHTS (if set) holds finite values"
 )
-
-
-class NonFiniteError(RuntimeError):
-    """The training loss or the weights became NaN or infinite; the run stops
-    and nothing non-finite is saved."""
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:

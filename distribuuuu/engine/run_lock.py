@@ -33,7 +33,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from distribuuuu.config import ConfigError
+from distribuuuu.errors import ConfigError, OutDirInUseError
 
 LOCK_NAME = ".lock"
 
@@ -42,10 +42,6 @@ LOCK_NAME = ".lock"
 # flock, some FUSE file systems).
 _HELD_ERRNOS = {errno.EACCES, errno.EAGAIN}
 _NO_LOCKS_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
-
-
-class OutDirInUseError(ConfigError):
-    """Another live process holds the lock of OUT_DIR."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 TTA_MODES = ("none", "flip", "five_crop", "ten_crop")
-CROP_MODES = ("five_crop", "ten_crop")
 
 
 def views(images: torch.Tensor, mode: str, crop: int) -> list[torch.Tensor]:

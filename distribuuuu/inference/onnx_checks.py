@@ -33,6 +33,8 @@ import importlib
 import os
 import stat
 
+from distribuuuu.errors import OnnxError
+
 INSTALL_HINT = "pip install 'distribuuuu[onnx]'"
 # protobuf cannot hold a larger model in one file.
 _MAX_FILE_BYTES = 2**31
@@ -48,10 +50,6 @@ _MAX_WIRE_NESTING = 100  # messages in messages: protobuf's own limit
 _MAX_NODES = 100_000  # with model-local functions inlined where called
 _MAX_SUBGRAPHS = 1_000  # the bodies of If, Loop and Scan nodes
 _MAX_DEPTH = 16  # subgraphs and function calls nested in one another
-
-
-class OnnxError(ValueError):
-    """An ONNX export or file that cannot be used; one line saying why."""
 
 
 def require(*names: str) -> list:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distribuuuu.errors import UnsplittableModelError
 from distribuuuu.models import small, vit
 
 # step(root, x) -> x: root is a module tree holding the step's names.
@@ -40,10 +41,6 @@ class Step:
     def name(self) -> str:
         """The first name it owns (where a stage beginning here begins)."""
         return self.owns[0]
-
-
-class UnsplittableModelError(ValueError):
-    """A model the pipeline does not know how to run as a chain of steps."""
 
 
 def _call(path: str, before: Callable | None = None) -> Step:

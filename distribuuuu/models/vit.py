@@ -24,7 +24,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from distribuuuu.checkpoint.format import fuse_qkv
 
 
 class SplitAttention(nn.Module):
@@ -91,28 +92,6 @@ def split_qkv(state: dict, prefix: str | None = None) -> dict:
                 for name, part in zip("qkv", fused.chunk(3)):
                     state[f"{start}{name}.{kind}"] = part
     return state
-
-
-def fuse_qkv(state: dict, prefix: str | None = None) -> dict:
-    """``state`` with the q, k, v entries of each split attention (under
-    ``prefix``, or every ``self_attention.`` one) fused into torchvision's
-    ``in_proj_weight`` and ``in_proj_bias``, in place; plain tensors only."""
-    prefixes = [prefix] if prefix is not None else [
-        key[: -len("q.weight")] for key in state
-        if key.endswith("self_attention.q.weight")
-    ]  # fmt: skip
-    for start in prefixes:
-        for kind in ("weight", "bias"):
-            names = [f"{start}{n}.{kind}" for n in "qkv"]
-            parts = [state.get(n) for n in names]
-            if not all(_plain(p) for p in parts):
-                continue
-            state[f"{start}in_proj_{kind}"] = torch.cat([state.pop(n) for n in names])
-    return state
-
-
-def _plain(value) -> bool:
-    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
 
 
 def split_torchvision_attention(model: nn.Module) -> int:
