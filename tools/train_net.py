@@ -6,7 +6,7 @@
     python tools/train_net.py --help-config
 
 Runs as one process, under torchrun / ``python -m torch.distributed.launch``,
-or as a Slurm task under srun; see README.md.  Without ``--cfg`` it trains the
+or as a Slurm task under srun; see docs/launching.md.  Without ``--cfg`` it trains the
 embedded default (a small ResNet on 5,000 real MNIST digits).
 """
 

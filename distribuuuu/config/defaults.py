@@ -2,7 +2,8 @@
 
 One place to learn every knob: a ``# ...`` comment above each ``_C.KEY = value``
 line, grouped by section (the config reference of ``--help-config`` and
-README.md is generated from these comments, see :mod:`.reference`).  The tree
+docs/config-reference.md is generated from these comments: :mod:`.reference`).
+The tree
 is frozen once built; :func:`get_cfg` returns a fresh, mutable clone.
 
 The defaults train the embedded default recipe (a small ResNet on the 5,000
@@ -86,7 +87,7 @@ _C.MODEL.EMA_EVERY = 1
 # Keep the weights (and so the activations of every convolution) in the
 # channels-last memory layout (NHWC): what cuDNN's tensor-core kernels prefer
 # (the usual choice on GPUs, with mixed precision), and faster on CPUs too:
-# resnet20 trained 6-26% faster on 2 CPU cores (README "Performance"). Not
+# resnet20 trained 6-26% faster on 2 CPU cores (docs/performance.md). Not
 # under DIST.STRATEGY fsdp, which shards contiguous parameters only
 _C.MODEL.CHANNELS_LAST = True
 

@@ -3,7 +3,8 @@
 The comments are read from the source of :mod:`distribuuuu.config.defaults`
 (the ``# ...`` lines right above each ``_C.KEY = value`` line), so that the
 defaults file stays the one place that documents a key.  ``--help-config``
-prints the reference and README.md embeds it (tools/update_config_reference.py).
+prints the reference, and docs/config-reference.md holds it
+(tools/update_config_reference.py).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def format_config_reference() -> str:
 
     A ``### SECTION`` heading per section (top-level keys last) and a list item
     per key, wrapped at 88 columns: it reads in a terminal and is embedded
-    verbatim in README.md ("Config reference").
+    verbatim in docs/config-reference.md.
     """
     sections: dict[str, list[str]] = {}
     for key, default, comment in describe_keys():
