@@ -79,8 +79,9 @@ def measure_startup(runs: dict[str, list[str]], env: dict, repeats: int) -> dict
         shift = repeat % len(names)
         for name in names[shift:] + names[:shift]:
             tic = time.perf_counter()
-            subprocess.run(commands[name], check=True, capture_output=True,
-                           timeout=600, env=env)  # fmt: skip
+            subprocess.run(
+                commands[name], check=True, capture_output=True, timeout=600, env=env
+            )
             seconds[name].append(time.perf_counter() - tic)
     measured = {}
     for name in runs:

@@ -227,8 +227,8 @@ def confusion_image(matrix: torch.Tensor, classes: list[str]) -> np.ndarray:
     canvas[top : top + n * cell, left : left + n * cell] = cells
     image = Image.fromarray(canvas)
     draw, font, black = ImageDraw.Draw(image), ImageFont.load_default(), (0, 0, 0)
-    draw.text((2, top + n * cell + 4), "rows: true class, columns: predicted",
-              fill=black, font=font)  # fmt: skip
+    legend = "rows: true class, columns: predicted"
+    draw.text((2, top + n * cell + 4), legend, fill=black, font=font)
     if labelled:
         # Columns show the names when they fit, else the labels (0, 1, ...),
         # which the rows then show before the names.
@@ -237,8 +237,8 @@ def confusion_image(matrix: torch.Tensor, classes: list[str]) -> np.ndarray:
             middle = i * cell + cell // 2
             column, row = (name, name) if names_fit else (str(i), f"{i} {name}")
             draw.text((2, top + middle), row, fill=black, font=font, anchor="lm")
-            draw.text((left + middle, top - 3), column, fill=black, font=font,
-                      anchor="ms")  # fmt: skip
+            above = (left + middle, top - 3)
+            draw.text(above, column, fill=black, font=font, anchor="ms")
     if cell >= 24:
         for (true, pred), count in np.ndenumerate(matrix.numpy()):
             ink = (255, 255, 255) if share[true, pred] > 0.5 else black
