@@ -8,8 +8,6 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from distribuuuu.optim import build as optim
-
 
 class InMemoryLoader:
     """``steps`` batches cycled from a list, shaped like a training DataLoader.
@@ -48,14 +46,19 @@ def make_batches(count: int, batch: int, im_size: int, classes: int) -> list:
     ]
 
 
-def minimal_train(model: nn.Module, loader, cfg, amp_dtype, device) -> Callable:
+def minimal_train(
+    model: nn.Module,
+    loader,
+    optimizer: torch.optim.Optimizer,
+    amp_dtype: torch.dtype | None,
+    device: torch.device,
+) -> Callable:
     """One repeat of the plain loop of the tutorials; returns the images done.
 
-    Its optimizer has the recipe's settings, so that the comparison measures
-    the framework, not another optimizer.
+    ``optimizer`` (over ``model``'s parameters) should have the recipe's
+    settings, so that the comparison measures the framework, not another
+    optimizer.
     """
-    groups = optim.build_param_groups(model, cfg.OPTIM)
-    optimizer = optim.OPTIMIZERS[cfg.OPTIM.OPTIMIZER](groups, cfg.OPTIM)
     criterion = nn.CrossEntropyLoss()
 
     def repeat() -> float:
@@ -73,7 +76,9 @@ def minimal_train(model: nn.Module, loader, cfg, amp_dtype, device) -> Callable:
     return repeat
 
 
-def minimal_eval(model: nn.Module, loader, amp_dtype, device) -> Callable:
+def minimal_eval(
+    model: nn.Module, loader, amp_dtype: torch.dtype | None, device: torch.device
+) -> Callable:
     """One repeat of a plain no-grad evaluation loop; returns the images done."""
 
     @torch.no_grad()
