@@ -24,7 +24,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -388,7 +388,7 @@ def all_reduce_max_int(value: int) -> int:
 
 # The gloo group of the host-side checks when the default group cannot reduce
 # CPU tensors (NCCL); None when it can, or without a process group.
-_CONTROL_GROUP = None
+_CONTROL_GROUP: dist.ProcessGroup | None = None
 
 
 def _join_control_group(rank: int, timeout_s: float) -> None:
@@ -405,8 +405,12 @@ def _join_control_group(rank: int, timeout_s: float) -> None:
     if "cpu:" in dist.get_backend_config():
         return  # the default group reduces CPU tensors itself
     try:
-        _CONTROL_GROUP = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        # Every rank is a member: never new_group's NON_GROUP_MEMBER.
+        _CONTROL_GROUP = cast(
+            dist.ProcessGroup,
+            dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+            ),
         )
     except (RuntimeError, ValueError) as error:
         raise DistributedSetupError(

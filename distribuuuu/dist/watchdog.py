@@ -31,7 +31,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
+from types import FrameType
+from typing import Any, Protocol, cast
 
 from distribuuuu.errors import LoaderTimeoutError
 from distribuuuu.dist import peers
@@ -58,7 +60,7 @@ class Watchdog:
         self._taken = threading.Event()  # the main thread raised the error
         self._done = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._previous = None
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
 
     def __enter__(self) -> Watchdog:
         if self.timeout_s <= 0:
@@ -133,7 +135,9 @@ class Watchdog:
         if isinstance(error, LoaderTimeoutError):
             peers.announce_failure(str(error))
         if self._previous is not None:
-            signal.pthread_kill(threading.main_thread().ident, _SIGNAL)
+            # The main thread has started: its ident is never None.
+            main = cast(int, threading.main_thread().ident)
+            signal.pthread_kill(main, _SIGNAL)
         if self._taken.wait(GRACE_S) or self._done.is_set():
             return
         logger.error(
@@ -185,10 +189,14 @@ class WatchedLoader:
         return _WatchedBatches(iter(self.loader), self.name, self.watchdog)
 
 
+class _LoaderIterator(Iterator, Sized, Protocol):
+    """A loader's iterator, which has a length (its loader's)."""
+
+
 class _WatchedBatches:
     # A method, not a generator: no frame of ours keeps the last batch (a
     # RingLoader hands a slot back once nothing refers to its batch).
-    def __init__(self, batches: Iterator, name: str, watchdog: Watchdog):
+    def __init__(self, batches: _LoaderIterator, name: str, watchdog: Watchdog):
         self.batches, self.name, self.watchdog = batches, name, watchdog
 
     def __iter__(self) -> _WatchedBatches:
