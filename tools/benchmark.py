@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -71,9 +72,11 @@ from distribuuuu.bench.overheads import (
 from distribuuuu.bench.pipeline_bubble import format_bubble, measure_bubble
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_normalizer
+from distribuuuu.data.spec import DataSpec, LoaderSpec
 from distribuuuu.dist.group import LaunchInfo
 from distribuuuu.engine.evaluation import EvalSpec, evaluate
 from distribuuuu.engine.loop import train_epoch
+from distribuuuu.engine.specs import data_spec, loader_spec
 from distribuuuu.engine.trainer import build_train_state
 from distribuuuu.logger import PACKAGE_LOGGER, setup_logging
 from distribuuuu.models import build_model
@@ -281,6 +284,25 @@ def bench_train_and_eval(args: argparse.Namespace, cfg, what: set[str]) -> dict:
     return results
 
 
+def loader_specs(
+    root: str, im_size: int, workers: int, decoder: str = "", shards: str = ""
+) -> tuple[DataSpec, LoaderSpec]:
+    """The data set's and the loaders' specs of our training loader of the
+    folder ``root``/train (or of the WebDataset ``shards`` pattern), as a run
+    loads them on the CPU (DATA.DECODER ``decoder``, or the default)."""
+    if shards:
+        opts = ["DATA.NAME", "webdataset", "TRAIN.DATASET", shards]
+        opts += ["TEST.DATASET", shards]
+    else:
+        opts = ["DATA.NAME", "imagefolder", "TRAIN.DATASET", root]
+        opts += ["TEST.DATASET", root]
+    opts += ["DATA.DECODER", decoder] if decoder else []
+    opts += ["TRAIN.IM_SIZE", str(im_size), "TEST.IM_SIZE", str(im_size)]
+    opts += ["TRAIN.WORKERS", str(workers), "MODEL.NUM_CLASSES", "2"]
+    cfg = load_cfg(None, opts + ["TEST.SPLIT", "train", "DEVICE", "cpu"])
+    return data_spec(cfg), loader_spec(cfg)
+
+
 def bench_data(args: argparse.Namespace, work_dir: str) -> dict:
     """The data-pipeline measurement: img/s of one epoch of each loader, ours
     with the default decoder and with each of ``--decoders`` (see
@@ -288,17 +310,20 @@ def bench_data(args: argparse.Namespace, work_dir: str) -> dict:
     decoders = [name for name in args.decoders.split(",") if name]
     sizes = (args.data_images, args.data_im_size, args.data_batch, args.workers)
     root = os.path.join(work_dir, "jpegs")
+    specs_of = functools.partial(loader_specs, root, args.data_im_size, args.workers)
     threads = torch.get_num_threads()
     # This process only normalises the workers' batches (a run does it among
     # the model's work): one thread, as in each worker, so that no idle
     # thread pool spins beside the workers.
     torch.set_num_threads(1)
     try:
-        sides = data_pipeline_sides(root, *sizes, decoders)
+        sides = data_pipeline_sides(root, *sizes, decoders, specs_of=specs_of)
         interleave(sides, 1)  # starts the persistent workers
         result = interleave(sides, args.repeats)
         if args.data_max_side:
-            prepared = capped_shard_sides(root, *sizes[1:], args.data_max_side)
+            prepared = capped_shard_sides(
+                root, *sizes[1:], args.data_max_side, specs_of=specs_of
+            )
             interleave(prepared, 1)
             result["prepared"] = interleave(prepared, args.repeats)
     finally:

@@ -3,7 +3,9 @@
 Ours, as a training run builds it on the CPU, once with the default
 ``DATA.DECODER`` and once per other decoder asked for, then torchvision's
 ImageFolder with the classic PIL transforms (the reference of every ratio),
-all on the same folder of ImageNet-sized JPEGs written first.
+all on the same folder of ImageNet-sized JPEGs written first.  The specs of
+our loader come from the caller (:data:`LoaderSpecs`: ``tools/benchmark.py``
+loads them from a config, as a run does).
 """
 
 from __future__ import annotations
@@ -18,14 +20,18 @@ import torchvision
 from PIL import Image
 from torchvision import transforms as classic
 
-from distribuuuu.config import load_cfg
 from distribuuuu.data import build_dataset, build_normalizer, build_train_loader
 from distribuuuu.data.datasets import IMAGENET_MEAN, IMAGENET_STD
+from distribuuuu.data.spec import DataSpec, LoaderSpec
 from distribuuuu.data.worker_server import worker_context
 
 # ImageNet's median photo is about 500 x 375 (4:3 landscape); the JPEGs of the
 # data-pipeline measurement have that size.
 JPEG_SIZE = (500, 375)
+# The data set's and the loaders' specs of our training loader of a folder's
+# train/ split, given a DATA.DECODER ("": the default) and, for prepared data,
+# a WebDataset ``shards`` pattern.
+LoaderSpecs = Callable[..., tuple[DataSpec, LoaderSpec]]
 
 
 def write_jpeg_folder(root: str, images: int, classes: int = 2) -> None:
@@ -52,12 +58,14 @@ def write_jpeg_folder(root: str, images: int, classes: int = 2) -> None:
 
 def reference_loader(root: str, im_size: int, batch: int, workers: int):
     """torchvision's ImageFolder with the classic PIL transforms."""
-    transform = classic.Compose([
-        classic.RandomResizedCrop(im_size),
-        classic.RandomHorizontalFlip(),
-        classic.ToTensor(),
-        classic.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])  # fmt: skip
+    transform = classic.Compose(
+        [
+            classic.RandomResizedCrop(im_size),
+            classic.RandomHorizontalFlip(),
+            classic.ToTensor(),
+            classic.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
     dataset = torchvision.datasets.ImageFolder(root, transform)
     return torch.utils.data.DataLoader(
         dataset,
@@ -71,40 +79,43 @@ def reference_loader(root: str, im_size: int, batch: int, workers: int):
     )
 
 
-def our_loader(
-    root: str, im_size: int, batch: int, workers: int, decoder: str = "",
-    shards: str = "",
-):  # fmt: skip
-    """Our training loader of the folder ``root``/train (or of the WebDataset
-    ``shards`` pattern), as a run builds it on the CPU (DATA.DECODER
-    ``decoder``, or the default), and the normaliser of its batches."""
-    if shards:
-        opts = ["DATA.NAME", "webdataset", "TRAIN.DATASET", shards]
-        opts += ["TEST.DATASET", shards]
-    else:
-        opts = ["DATA.NAME", "imagefolder", "TRAIN.DATASET", root]
-        opts += ["TEST.DATASET", root]
-    opts += ["DATA.DECODER", decoder] if decoder else []
-    opts += ["TRAIN.IM_SIZE", str(im_size), "TEST.IM_SIZE", str(im_size)]
-    opts += ["TRAIN.WORKERS", str(workers), "MODEL.NUM_CLASSES", "2"]
-    cfg = load_cfg(None, opts + ["TEST.SPLIT", "train", "DEVICE", "cpu"])
-    dataset = build_dataset(cfg, train=True)
+def our_loader(specs: tuple[DataSpec, LoaderSpec], batch: int):
+    """Our training loader of ``specs`` (the data set's and the loaders'), as
+    a run builds it on the CPU, and the normaliser of its batches."""
+    data, loading = specs
     device = torch.device("cpu")
-    loader = build_train_loader(cfg, dataset, 0, 1, 0, device, batch)
-    return loader, build_normalizer(cfg, device)
+    dataset = build_dataset(data, train=True)
+    loader = build_train_loader(
+        loading,
+        dataset,
+        rank=0,
+        world_size=1,
+        seed=0,
+        device=device,
+        batch_size=batch,
+    )
+    return loader, build_normalizer(data, device)
 
 
 def data_pipeline_sides(
-    root: str, images: int, im_size: int, batch: int, workers: int, decoders: list
+    root: str,
+    images: int,
+    im_size: int,
+    batch: int,
+    workers: int,
+    decoders: list,
+    *,
+    specs_of: LoaderSpecs,
 ) -> dict[str, Callable[[], int]]:
     """Write ``images`` JPEGs under ``root``/train; return one epoch of each
     loader, which returns the images it served: ``"ours"`` (the default
-    decoder), each of ``decoders``, then ``"torchvision"``."""
+    decoder), each of ``decoders``, then ``"torchvision"``.  ``specs_of``
+    gives our loader's specs of that folder."""
     write_jpeg_folder(os.path.join(root, "train"), images)
-    loading = (im_size, batch, workers)
-    sides = {"ours": _our_epoch(*our_loader(root, *loading))}
+    sides = {"ours": _our_epoch(*our_loader(specs_of(), batch))}
     for decoder in decoders:
-        sides[decoder] = _our_epoch(*our_loader(root, *loading, decoder))
+        sides[decoder] = _our_epoch(*our_loader(specs_of(decoder), batch))
+    loading = (im_size, batch, workers)
     sides["torchvision"] = _reference_epoch(os.path.join(root, "train"), *loading)
     return sides
 
@@ -128,12 +139,19 @@ def _our_epoch(loader, normalize) -> Callable[[], int]:
 
 
 def capped_shard_sides(
-    root: str, im_size: int, batch: int, workers: int, max_side: int
+    root: str,
+    im_size: int,
+    batch: int,
+    workers: int,
+    max_side: int,
+    *,
+    specs_of: LoaderSpecs,
 ) -> dict[str, Callable[[], int]]:
     """Prepared data: the folder ``root``/train of :func:`data_pipeline_sides`
     written as shards with ``tools/make_shards.py --max-side max_side``
     (shorter sides capped, re-encoded at quality 90; FFCV stores ImageNet
-    so), read by our loader; then ``"torchvision"`` on the original folder."""
+    so), read by our loader (``specs_of`` gives its specs of a shard
+    pattern); then ``"torchvision"`` on the original folder."""
     from distribuuuu.data.shard_writing import (
         ShardLimits,
         folder_source,
@@ -152,6 +170,7 @@ def capped_shard_sides(
     pattern = pattern_of(out, "train", len(entries))
     loading = (im_size, batch, workers)
     name = f"shards max-side {max_side}"
-    sides = {name: _our_epoch(*our_loader(root, *loading, shards=pattern))}
+    specs = specs_of(shards=pattern)
+    sides = {name: _our_epoch(*our_loader(specs, batch))}
     sides["torchvision"] = _reference_epoch(os.path.join(root, "train"), *loading)
     return sides
