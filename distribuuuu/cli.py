@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 from distribuuuu.errors import (
     EXIT_FAILED,
@@ -144,8 +145,10 @@ class ErrorExit:
     """
 
     errors: type[BaseException] | tuple[type[BaseException], ...]
-    code: int | Callable[[BaseException], int]
-    message: Callable[[BaseException], str] = describe_error
+    # Functions of an error of ``errors``, typed Any: a rule reads the
+    # attributes of its own error types (StartupStop.signum, ...).
+    code: int | Callable[[Any], int]
+    message: Callable[[Any], str] = describe_error
     every_rank: bool = False
 
 
@@ -273,7 +276,7 @@ def train_run_rules(
     """
     import torch.multiprocessing as mp
 
-    def process_failed(error: BaseException) -> str:
+    def process_failed(error: mp.ProcessRaisedException) -> str:
         """The line of a failed --num-procs process: its number and error."""
         where = f"process {error.error_index} of {num_procs} failed"
         return f"{where}: {describe_error(error)}"
