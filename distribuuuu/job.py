@@ -50,9 +50,7 @@ def _train_or_evaluate(cfg: CfgNode, eval_only: bool, dry_run: bool = False) -> 
                 signal.signal(signum, signal.SIG_IGN)
             raise SystemExit(128 + stats["stopped_by"])
         return
-    from distribuuuu.engine.evaluation import evaluate_checkpoint
-
-    stats = evaluate_checkpoint(cfg)
+    stats = trainer.evaluate_checkpoint(cfg)
     if is_rank_zero():
         k = stats["topk_k"]
         print(

@@ -12,18 +12,26 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader
-from yacs.config import CfgNode
 
 from distribuuuu.dist import group as du
-from distribuuuu.engine.losses import Distilled, TrainLoss, build_train_loss, mix_seed
-from distribuuuu.engine.profiling import StepProfiler
-from distribuuuu.engine.run_log import TrainStatus, log_train_window
+from distribuuuu.dist.slurm import requeue_slurm_job
+from distribuuuu.engine.losses import (
+    Distilled,
+    LossSpec,
+    TrainLoss,
+    build_train_loss,
+    mix_seed,
+)
+from distribuuuu.engine.profiling import ProfileSpec, StepProfiler
+from distribuuuu.engine.run_log import LogSpec, TrainStatus, log_train_window
 from distribuuuu.engine.state import TrainState
 from distribuuuu.logger import end_status, live_console
 from distribuuuu.optim import build as optim
+from distribuuuu.optim.spec import ScheduleSpec
 from distribuuuu.reporting.meters import MetricSums
 from distribuuuu.strategies.base import MicroBatch
 from distribuuuu.strategies.precision import autocast
@@ -31,10 +39,21 @@ from distribuuuu.strategies.precision import autocast
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LoopSpec:
+    """What the training loop reads of the run's settings."""
+
+    schedule: ScheduleSpec  # the learning rate, before the batch plan's scale
+    loss: LossSpec
+    log: LogSpec
+    print_freq: int = 10  # TRAIN.PRINT_FREQ: log every this many steps
+    profile: ProfileSpec | None = None  # TRAIN.PROFILE_STEPS; None: off
+
+
 def train_epoch(
     state: TrainState,
     loader: DataLoader,
-    cfg: CfgNode,
+    spec: LoopSpec,
     after_step: Callable[[], bool] = lambda: False,
 ) -> bool:
     """Train the rest of epoch ``progress.epoch``; True if ``after_step`` stopped it.
@@ -49,30 +68,35 @@ def train_epoch(
     loader.sampler.set_epoch(progress.epoch, progress.consumed)
     first = progress.consumed // plan.global_batch
     total = first + len(loader) // plan.accum
-    meter = MetricSums(state.device, min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES))
-    loss_fn = build_train_loss(cfg.TRAIN, cfg.MODEL.NUM_CLASSES)
-    status = TrainStatus(cfg, state, first, total) if live_console() else None
+    meter = MetricSums(state.device, spec.log.topk)
+    loss_fn = build_train_loss(spec.loss)
+    status = TrainStatus(spec.log, state, first, total) if live_console() else None
     batches = iter(loader)
-    profiler = StepProfiler.for_epoch(cfg, state, total - first)  # None when off
+    profiler = StepProfiler.for_epoch(spec.profile, state, total - first)  # or None
     if profiler:
         batches = profiler.watch(batches)
     data_time, window_start = 0.0, time.perf_counter()
     try:
         for step in range(first, total):
-            lr = optim.lr_at(
-                cfg.OPTIM, optim.lr_epoch(cfg.OPTIM, progress.epoch, step / total)
-            )
-            lr *= plan.lr_scale
+            at = optim.lr_epoch(spec.schedule, progress.epoch, step / total)
+            lr = optim.lr_at(spec.schedule, at) * plan.lr_scale
             optim.set_lr(state.optimizer, lr)
             with profiler.step() if profiler else nullcontext():
                 data_time += train_step(state, batches, meter, loss_fn)
             progress.consumed += plan.global_batch
             state.clock.step()
-            if (step + 1) % cfg.TRAIN.PRINT_FREQ == 0 or step + 1 == total:
-                window_steps = (step - first) % cfg.TRAIN.PRINT_FREQ + 1
-                elapsed = time.perf_counter() - window_start
-                stats = log_train_window(cfg, state, meter, step, total, lr, elapsed,
-                                         data_time / window_steps)  # fmt: skip
+            if (step + 1) % spec.print_freq == 0 or step + 1 == total:
+                window_steps = (step - first) % spec.print_freq + 1
+                stats = log_train_window(
+                    spec.log,
+                    state,
+                    meter,
+                    step=step,
+                    steps=total,
+                    lr=lr,
+                    elapsed=time.perf_counter() - window_start,
+                    data_time=data_time / window_steps,
+                )
                 meter.reset()
                 data_time, window_start = 0.0, time.perf_counter()
                 if status:
@@ -200,8 +224,10 @@ class StopRequest:
             logger.info(
                 "%s received by this rank before %s; the ranks stop at their "
                 "next check (every %d steps with DIST.STOP_CHECK_STEPS)",
-                signal.Signals(self.signum).name, when, self.every,
-            )  # fmt: skip
+                signal.Signals(self.signum).name,
+                when,
+                self.every,
+            )
         if step is not None and step % self.every and du.is_distributed():
             return 0
         agreed = du.all_reduce_max_int(self.signum)
@@ -216,3 +242,16 @@ class StopRequest:
             return
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+
+def end_stopped_run(signum: int, requeue: bool) -> dict:
+    """End a run that a signal stopped after saving (requeue the Slurm job
+    with ``requeue``, DIST.REQUEUE)."""
+    name = signal.Signals(signum).name
+    logger.info("stopped by %s after saving a checkpoint", name)
+    if requeue and du.is_main_process() and requeue_slurm_job():
+        logger.info("requeued the Slurm job: it resumes from the checkpoint")
+    # The first rank to exit (128+N) ends a --kill-on-bad-exit step: not
+    # before rank 0 has requeued.
+    du.barrier()
+    return {"stopped_by": signum}

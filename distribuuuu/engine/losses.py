@@ -19,7 +19,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
-from yacs.config import CfgNode
 
 from distribuuuu.data.samplers import sample_seed
 
@@ -170,17 +169,31 @@ class TrainLoss:
         return (1 - alpha) * own + alpha * taught
 
 
-def build_train_loss(train: CfgNode, num_classes: int) -> TrainLoss:
-    """The training loss of the ``TRAIN`` section of a cfg."""
+@dataclass(frozen=True)
+class LossSpec:
+    """The training loss asked for: label smoothing, Mixup / CutMix, distillation."""
+
+    num_classes: int
+    label_smoothing: float = 0.0
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    mix_prob: float = 1.0  # the share of batches mixed at all
+    switch_prob: float = 0.5  # with both on: the share mixed by CutMix
+    distillation: Distillation | None = None  # None: no teacher
+
+
+def build_train_loss(spec: LossSpec) -> TrainLoss:
+    """The training loss that ``spec`` asks for."""
     mixer = build_mixer(
-        num_classes,
-        train.MIXUP_ALPHA,
-        train.CUTMIX_ALPHA,
-        train.MIX_PROB,
-        train.MIX_SWITCH_PROB,
+        spec.num_classes,
+        mixup_alpha=spec.mixup_alpha,
+        cutmix_alpha=spec.cutmix_alpha,
+        mix_prob=spec.mix_prob,
+        switch_prob=spec.switch_prob,
     )
-    distill = train.DISTILL
-    distillation = None
-    if distill.ARCH:
-        distillation = Distillation(distill.TYPE, distill.TAU, distill.ALPHA)
-    return TrainLoss(num_classes, train.LABEL_SMOOTHING, mixer, distillation)
+    return TrainLoss(
+        spec.num_classes,
+        label_smoothing=spec.label_smoothing,
+        mixer=mixer,
+        distillation=spec.distillation,
+    )

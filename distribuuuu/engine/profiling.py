@@ -30,10 +30,10 @@ import os
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import ProfilerActivity, record_function
-from yacs.config import CfgNode
 
 from distribuuuu.dist import group as du
 from distribuuuu.engine.state import TrainState
@@ -46,6 +46,14 @@ WARMUP_STEPS = 1  # then steps profiled but not recorded
 STEP_LABEL = "train_step"  # the range of one optimizer step in the trace
 DATA_LABEL = "data_wait"  # the range of one wait for the loader
 TOP_OPERATORS = 15  # rows of the logged table
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """TRAIN.PROFILE_STEPS: how many steps to profile, and the run's OUT_DIR."""
+
+    steps: int  # optimizer steps recorded; 0: no profiling
+    out_dir: str  # the traces go to out_dir/profile/
 
 
 def trace_path(out_dir: str, rank: int) -> str:
@@ -79,18 +87,25 @@ class StepProfiler:
     recorded so far is still written).
     """
 
-    def __init__(self, cfg: CfgNode, device: torch.device, rank: int, steps_left: int):
-        wanted = cfg.TRAIN.PROFILE_STEPS
+    def __init__(
+        self, spec: ProfileSpec, device: torch.device, rank: int, steps_left: int
+    ):
+        wanted = spec.steps
         skip, warmup, self.recorded = plan_steps(wanted, steps_left)
         if steps_left < SKIP_STEPS + WARMUP_STEPS + wanted:
             logger.warning(
                 "TRAIN.PROFILE_STEPS %d: this epoch has %d steps left, so %d are "
                 "profiled after %d skipped and %d of warm-up (instead of %d and "
                 "%d); the first steps of a run carry one-time costs",
-                wanted, steps_left, self.recorded, skip, warmup, SKIP_STEPS,
+                wanted,
+                steps_left,
+                self.recorded,
+                skip,
+                warmup,
+                SKIP_STEPS,
                 WARMUP_STEPS,
-            )  # fmt: skip
-        self.path = trace_path(cfg.OUT_DIR, rank)
+            )
+        self.path = trace_path(spec.out_dir, rank)
         activities = profiler_activities(device)
         self.cuda = ProfilerActivity.CUDA in activities
         if not self.cuda:
@@ -110,21 +125,23 @@ class StepProfiler:
         logger.info(
             "TRAIN.PROFILE_STEPS: profiling %d step(s) after %d skipped and %d of "
             "warm-up",
-            self.recorded, skip, warmup,
-        )  # fmt: skip
+            self.recorded,
+            skip,
+            warmup,
+        )
         self._profiler.start()
 
     @classmethod
     def for_epoch(
-        cls, cfg: CfgNode, state: TrainState, steps_left: int
+        cls, spec: ProfileSpec | None, state: TrainState, steps_left: int
     ) -> StepProfiler | None:
-        """The profiler of the epoch about to train: None unless
-        TRAIN.PROFILE_STEPS is on and no step of this launch has run yet."""
+        """The profiler of the epoch about to train: None unless ``spec``
+        profiles some steps and no step of this launch has run yet."""
         clock = state.clock
         first_epoch = clock.done_iters == clock.start_iters
-        if cfg.TRAIN.PROFILE_STEPS <= 0 or not first_epoch or steps_left <= 0:
+        if spec is None or spec.steps <= 0 or not first_epoch or steps_left <= 0:
             return None
-        return cls(cfg, state.device, du.get_rank(), steps_left)
+        return cls(spec, state.device, du.get_rank(), steps_left)
 
     def watch(self, batches: Iterator) -> Iterator:
         """``batches``, each wait for the next one labelled while profiling."""
@@ -167,9 +184,12 @@ class StepProfiler:
         logger.info(
             "profiled %d step(s): trace %s; waiting for data %.1f%% of the step time "
             "(%.2f of %.2f ms per step)",
-            count, self.path, 100 * wait_us / max(step_us, 1e-9),
-            wait_us / 1e3 / max(count, 1), step_us / 1e3 / max(count, 1),
-        )  # fmt: skip
+            count,
+            self.path,
+            100 * wait_us / max(step_us, 1e-9),
+            wait_us / 1e3 / max(count, 1),
+            step_us / 1e3 / max(count, 1),
+        )
         sorts = [("CPU", "self_cpu_time_total")]
         if self.cuda:
             sorts.append(("CUDA", "self_device_time_total"))

@@ -1,5 +1,5 @@
-"""Saving a run and picking it up again: training checkpoints, best weights,
-auto-resume from OUT_DIR and MODEL.WEIGHTS.
+"""Saving a run and picking it up again: training checkpoints, auto-resume
+from OUT_DIR and MODEL.WEIGHTS.
 
 The keys of what is saved are named in :mod:`distribuuuu.checkpoint.format`; the files'
 atomic writes, ``last`` pointer and keep-N live in :mod:`distribuuuu.checkpoint`;
@@ -9,15 +9,13 @@ the strategy saves and loads its model and optimizer state.
 from __future__ import annotations
 
 import logging
-import os
+from dataclasses import dataclass
 
 from torch import nn
-from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.checkpoint.format import (
     SavedRun,
-    best_weights,
     capture_rng_state,
     holds_optimizer,
 )
@@ -30,8 +28,33 @@ from distribuuuu.strategies import Strategy
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class SaveSpec:
+    """Where a run saves (OUT_DIR), what every file carries besides the
+    weights, and which checkpoints it keeps (CHECKPOINT.KEEP, KEEP_BEST)."""
+
+    out_dir: str
+    arch: str  # MODEL.ARCH
+    config_dump: str  # the run's config as yaml text
+    retention: cp.Retention = cp.Retention()
+
+
+@dataclass(frozen=True)
+class ResumeSpec:
+    """What a run starts from: its own last checkpoint in ``out_dir``
+    (TRAIN.AUTO_RESUME), else MODEL.WEIGHTS, else fresh weights."""
+
+    out_dir: str
+    auto_resume: bool = True
+    weights: str = ""  # MODEL.WEIGHTS; empty: none
+    finetune: bool = False  # MODEL.FINETUNE: skip a head of another size
+    num_classes: int = 0  # MODEL.NUM_CLASSES
+    load_optimizer: bool = True  # TRAIN.LOAD_OPT
+    pretrained: bool = False  # MODEL.PRETRAINED, said in the start-up report
+
+
 def save_training_checkpoint(
-    cfg: CfgNode, state: TrainState, score: float | None = None
+    spec: SaveSpec, state: TrainState, score: float | None = None
 ) -> None:
     """Gather every rank's RNG state; rank 0 writes the checkpoint of the run
     (``score``: CHECKPOINT.BEST_METRIC of the evaluation just before it).
@@ -50,19 +73,21 @@ def save_training_checkpoint(
     plain = strategy.plain_model(state.model)
     check_weights_finite([*module_tensors(plain), *ema], where)
     name = cp.checkpoint_name(progress.epoch, step)
-    weights = strategy.save_weights(state.model, state.optimizer, state.ema,
-                                    cfg.OUT_DIR, name)  # fmt: skip
+    weights = strategy.save_weights(
+        state.model, state.optimizer, state.ema, spec.out_dir, name
+    )
     rng = du.all_gather_object(capture_rng_state(strategy.devices(state.model)))
-    saved = state.state_dict(weights, rng, arch=cfg.MODEL.ARCH, config_dump=cfg.dump())
+    saved = state.state_dict(weights, rng, arch=spec.arch, config_dump=spec.config_dump)
     error = None
     if du.is_main_process():
         try:
-            keys = cfg.CHECKPOINT
-            retention = cp.Retention(
-                keys.KEEP, keys.KEEP_BEST, keys.BEST_METRIC == "loss"
-            )
             path = cp.save_checkpoint(
-                cfg.OUT_DIR, progress.epoch, saved, retention, step, score
+                spec.out_dir,
+                progress.epoch,
+                saved,
+                retention=spec.retention,
+                step=step,
+                score=score,
             )
             logger.info("saved %s", path)
         except Exception as caught:  # tell the others before raising it
@@ -75,35 +100,18 @@ def save_training_checkpoint(
         raise RuntimeError("rank 0 failed to save the checkpoint (see log.txt)")
 
 
-def save_best_weights(cfg: CfgNode, state: TrainState, top1: float, name: str):
-    """Write the weights the model holds as ``OUT_DIR/name`` (rank 0; gathering
-    them is a collective where they are spread)."""
-    whole = state.strategy.model_state_dict(state.model)
-    if du.is_main_process():
-        epoch = state.progress.epoch
-        weights = best_weights(
-            whole,
-            epoch=epoch,
-            top1=top1,
-            classes=state.classes,
-            arch=cfg.MODEL.ARCH,
-            config_dump=cfg.dump(),
-        )
-        path = os.path.join(cfg.OUT_DIR, name)
-        cp.save_weights(path, weights)
-        state.writer.wrote_file(path)  # what UPLOAD_BEST may upload
-
-
-def load_weights(cfg: CfgNode, strategy: Strategy, model: nn.Module, optimizer) -> str:
+def load_weights(
+    spec: ResumeSpec, strategy: Strategy, model: nn.Module, optimizer
+) -> str:
     """Load MODEL.WEIGHTS (and its optimizer with TRAIN.LOAD_OPT); say what, in words.
 
     With MODEL.FINETUNE a classifier head of another size is skipped and keeps
     its fresh initialisation; the optimizer state then is not loaded, since
     its head entries would not fit (and it belongs to another task).
     """
-    path = cfg.MODEL.WEIGHTS
+    path = spec.weights
     saved = cp.load_full(path)
-    classes = cfg.MODEL.NUM_CLASSES if cfg.MODEL.FINETUNE else None
+    classes = spec.num_classes if spec.finetune else None
     skipped = strategy.load_model_weights(model, saved, path, classes)
     has_optimizer = holds_optimizer(saved)
     if skipped:
@@ -112,13 +120,13 @@ def load_weights(cfg: CfgNode, strategy: Strategy, model: nn.Module, optimizer) 
             "head keeps its fresh initialisation: %s",
             len(skipped),
             path,
-            cfg.MODEL.NUM_CLASSES,
+            spec.num_classes,
             ", ".join(skipped),
         )
-        if cfg.TRAIN.LOAD_OPT and has_optimizer:
+        if spec.load_optimizer and has_optimizer:
             logger.info("fine-tuning: the optimizer state of %s is not loaded", path)
-        return f"weights from {path}, new {cfg.MODEL.NUM_CLASSES}-class head"
-    if cfg.TRAIN.LOAD_OPT and has_optimizer:
+        return f"weights from {path}, new {spec.num_classes}-class head"
+    if spec.load_optimizer and has_optimizer:
         optimizer_state = SavedRun(path, saved).optimizer_state
         strategy.load_optimizer_state(model, optimizer, optimizer_state)
         return f"weights from {path} and its optimizer"
@@ -138,17 +146,18 @@ def agreed_resume_checkpoint(out_dir: str) -> SavedRun | None:
 
 
 def resume_or_load(
-    cfg: CfgNode,
+    spec: ResumeSpec,
     strategy: Strategy,
     model: nn.Module,
     optimizer,
+    *,
     scaler,
     ema: ModelEma | None = None,
 ) -> tuple[Progress, SavedRun | None, str]:
     """Progress to continue from, the checkpoint resumed (None when new) and
     what the run starts from, in words.  Every rank loads the same file, so
     the replicas stay identical."""
-    saved = agreed_resume_checkpoint(cfg.OUT_DIR) if cfg.TRAIN.AUTO_RESUME else None
+    saved = agreed_resume_checkpoint(spec.out_dir) if spec.auto_resume else None
     if saved is not None:
         restored = strategy.load_weights(model, optimizer, saved, ema)
         if ema is not None and not restored:
@@ -162,11 +171,11 @@ def resume_or_load(
         )
         logger.info("%s", start)
         return progress, saved, start
-    if cfg.MODEL.WEIGHTS:
-        start = load_weights(cfg, strategy, model, optimizer)
+    if spec.weights:
+        start = load_weights(spec, strategy, model, optimizer)
         if ema is not None:
             ema.reset()
         logger.info("loaded %s", start)
         return Progress(), None, start
-    pretrained = " (ImageNet-pretrained weights)" * cfg.MODEL.PRETRAINED
+    pretrained = " (ImageNet-pretrained weights)" * spec.pretrained
     return Progress(), None, "a new run" + pretrained

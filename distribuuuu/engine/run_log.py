@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torchvision
-from yacs.config import CfgNode
 
 from distribuuuu.data import stack_images
 from distribuuuu.dist import group as du
@@ -19,10 +19,27 @@ from distribuuuu.engine.numerics import all_finite, module_tensors, nonfinite_lo
 from distribuuuu.engine.state import TrainState
 from distribuuuu.logger import STATUS_LINE, set_status
 from distribuuuu.reporting import reports
-from distribuuuu.reporting.meters import format_eta, per_class_top1, progress_bar
+from distribuuuu.reporting.meters import (
+    MetricSums,
+    format_eta,
+    per_class_top1,
+    progress_bar,
+)
 from distribuuuu.reporting.writer import MetricsWriter
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LogSpec:
+    """What the run's log lines show and watch besides the numbers measured."""
+
+    max_epoch: int  # OPTIM.MAX_EPOCH
+    topk: int  # k of the top-k accuracy
+    single_process_img_per_s: float = 0.0  # TRAIN.SINGLE_PROCESS_IMG_PER_S
+    data_bound_share: float = 0.0  # TRAIN.DATA_BOUND_SHARE; 0: no warning
+    workers: int = 0  # TRAIN.WORKERS, named in the data-bound warning
+    decoder: str = ""  # DATA.DECODER, named in the data-bound warning
 
 
 class TrainStatus:
@@ -33,8 +50,8 @@ class TrainStatus:
     so the bar costs no device synchronization.
     """
 
-    def __init__(self, cfg: CfgNode, state: TrainState, first: int, total: int):
-        self.cfg, self.state, self.first, self.total = cfg, state, first, total
+    def __init__(self, spec: LogSpec, state: TrainState, first: int, total: int):
+        self.spec, self.state, self.first, self.total = spec, state, first, total
         self.start = time.perf_counter()
         self.window: dict = {}
 
@@ -48,29 +65,56 @@ class TrainStatus:
             metrics = f"loss {self.window['loss']:.4f}  top1 {self.window['top1']:.2f}"
         eta = format_eta(self.state.clock.eta())
         set_status(
-            f"ep {self.state.progress.epoch + 1}/{self.cfg.OPTIM.MAX_EPOCH} "
+            f"ep {self.state.progress.epoch + 1}/{self.spec.max_epoch} "
             f"{progress_bar(done, self.total)} {done}/{self.total}  {metrics}  "
             f"lr {lr:.5f}  {img_per_s:.0f} img/s  eta {eta}",
             force=done == self.total,
         )
 
 
-def log_train_window(cfg, state, meter, step, steps, lr, elapsed, data_time) -> dict:
+def log_train_window(
+    spec: LogSpec,
+    state: TrainState,
+    meter: MetricSums,
+    *,
+    step: int,
+    steps: int,
+    lr: float,
+    elapsed: float,
+    data_time: float,
+) -> dict:
     """Reduce a print window's metrics over all ranks, log them (rank 0 writes)
-    and return them; stop a run whose loss is no longer finite."""
+    and return them; stop a run whose loss is no longer finite.
+
+    Args:
+        step: the window's last optimizer step (0-based) of the epoch's ``steps``.
+        lr: the learning rate of that step.
+        elapsed: the window's seconds.
+        data_time: its mean seconds per step spent waiting for the loader.
+    """
     epoch = state.progress.epoch
     stats = meter.reduce()
-    speed = throughput(cfg, state.plan.world_size, stats["samples"], elapsed)
+    speed = throughput(spec, state.plan.world_size, stats["samples"], elapsed)
     step_time = elapsed * state.plan.global_batch / max(stats["samples"], 1)
-    watch_data_time(cfg, state, data_time, step_time)
+    watch_data_time(spec, state, data_time, step_time)
     logger.info(
         "train ep %d/%d it %d/%d  loss %.4f  top1 %.2f  top%d %.2f  lr %.5f  "
         "img/s %.0f%s  data %.1fms  eta %s",
-        epoch + 1, cfg.OPTIM.MAX_EPOCH, step + 1, steps, stats["loss"],
-        stats["top1"], meter.topk, stats["topk"], lr, speed["img_per_s"],
-        format_scaling(speed), 1000 * data_time, format_eta(state.clock.eta()),
+        epoch + 1,
+        spec.max_epoch,
+        step + 1,
+        steps,
+        stats["loss"],
+        stats["top1"],
+        meter.topk,
+        stats["topk"],
+        lr,
+        speed["img_per_s"],
+        format_scaling(speed),
+        1000 * data_time,
+        format_eta(state.clock.eta()),
         extra={STATUS_LINE: True},
-    )  # fmt: skip
+    )
     record = {"split": "train", "epoch": epoch + 1, "iter": step + 1, "lr": lr}
     record.update(speed, data_ms=1000 * data_time, **stats)
     scalars = {
@@ -94,12 +138,17 @@ def stop_on_nonfinite_loss(state: TrainState, stats: dict, step: int) -> None:
     plain = state.strategy.plain_model(state.model)
     window = max(stats["samples"] // state.plan.global_batch, 1)
     epoch = state.progress.epoch + 1
-    nonfinite_loss(stats["loss"], state.scaler.is_enabled(),
-                   lambda: all_finite(module_tensors(plain)), epoch, step + 1,
-                   window)  # fmt: skip
+    nonfinite_loss(
+        stats["loss"],
+        scaled=state.scaler.is_enabled(),
+        weights_finite=lambda: all_finite(module_tensors(plain)),
+        epoch=epoch,
+        step=step + 1,
+        window=window,
+    )
 
 
-def throughput(cfg: CfgNode, world_size: int, samples: int, elapsed: float) -> dict:
+def throughput(spec: LogSpec, world_size: int, samples: int, elapsed: float) -> dict:
     """Global and per-process img/s of a window, and the scaling efficiency.
 
     The efficiency (global img/s over ``world_size`` times the one-process
@@ -112,7 +161,7 @@ def throughput(cfg: CfgNode, world_size: int, samples: int, elapsed: float) -> d
         "img_per_s_per_rank": img_per_s / world_size,
         "world_size": world_size,
     }
-    alone = cfg.TRAIN.SINGLE_PROCESS_IMG_PER_S
+    alone = spec.single_process_img_per_s
     if world_size > 1 and alone > 0:
         speed["scaling_efficiency"] = img_per_s / (world_size * alone)
     return speed
@@ -128,9 +177,9 @@ def format_scaling(speed: dict) -> str:
     return text + ")"
 
 
-def watch_data_time(cfg: CfgNode, state: TrainState, data_s: float, step_s: float):
+def watch_data_time(spec: LogSpec, state: TrainState, data_s: float, step_s: float):
     """Rank 0 warns once when the steps wait for data (TRAIN.DATA_BOUND_SHARE)."""
-    share = cfg.TRAIN.DATA_BOUND_SHARE
+    share = spec.data_bound_share
     if state.data_watch.update(data_s, step_s, share) and du.is_main_process():
         logger.warning(
             "data-bound: waiting for data took %.0f%% of the step time (more than "
@@ -141,8 +190,8 @@ def watch_data_time(cfg: CfgNode, state: TrainState, data_s: float, step_s: floa
             100 * data_s / max(step_s, 1e-9),
             share,
             state.data_watch.windows,
-            cfg.TRAIN.WORKERS,
-            cfg.DATA.DECODER,
+            spec.workers,
+            spec.decoder,
         )
 
 
@@ -156,10 +205,11 @@ def gather_peaks(peaks: dict[str, list[float]]) -> tuple[list, list, list]:
 
 
 def log_evaluation(
-    cfg: CfgNode,
+    spec: LogSpec,
     state: TrainState,
     stats: dict,
     confusion: torch.Tensor,
+    *,
     split: str,
     best: float,
     peaks: dict[str, list[float]],
@@ -173,22 +223,49 @@ def log_evaluation(
     """
     epoch = state.progress.epoch
     train_peak, eval_peak, memory = gather_peaks(peaks)
-    topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
     logger.info(
         "%s ep %d/%d  loss %.4f  top1 %.2f  top%d %.2f  samples %d  best %.2f  "
         "peak memory train %.0f / eval %.0f MiB",
-        split, epoch, cfg.OPTIM.MAX_EPOCH, stats["loss"], stats["top1"], topk,
-        stats["topk"], stats["samples"], best, max(train_peak), max(eval_peak),
-    )  # fmt: skip
+        split,
+        epoch,
+        spec.max_epoch,
+        stats["loss"],
+        stats["top1"],
+        spec.topk,
+        stats["topk"],
+        stats["samples"],
+        best,
+        max(train_peak),
+        max(eval_peak),
+    )
     per_class = per_class_top1(confusion)
     record = {"split": split, "epoch": epoch, "world_size": state.plan.world_size}
-    record.update(stats, peak_mem_mb=memory, train_peak_mem_mb=train_peak,
-                  eval_peak_mem_mb=eval_peak, per_class_top1=per_class)  # fmt: skip
+    record.update(
+        stats,
+        peak_mem_mb=memory,
+        train_peak_mem_mb=train_peak,
+        eval_peak_mem_mb=eval_peak,
+        per_class_top1=per_class,
+    )
     scalars = {f"{split}/{key}": stats[key] for key in ("loss", "top1", "topk")}
     if split == "val":  # the EMA's evaluation is logged in its record only
         scalars["memory/peak_mb"] = max(memory)
         scalars["memory/train_peak_mb"] = max(train_peak)
         scalars["memory/eval_peak_mb"] = max(eval_peak)
+    log_per_class(state, confusion, per_class, split, scalars)
+    state.writer.write(record, scalars, epoch)
+
+
+def log_per_class(
+    state: TrainState,
+    confusion: torch.Tensor,
+    per_class: list[float | None],
+    split: str,
+    scalars: dict,
+) -> None:
+    """Per-class top-1 of an evaluation: a histogram, and with few enough
+    classes a scalar per class (added to ``scalars``) and the confusion matrix."""
+    epoch = state.progress.epoch
     if len(per_class) <= reports.MAX_PLOTTED_CLASSES:
         for name, top1 in zip(state.classes, per_class):
             if top1 is not None:
@@ -198,7 +275,43 @@ def log_evaluation(
     measured = np.array([top1 for top1 in per_class if top1 is not None])
     if measured.size:
         state.writer.histogram(f"{split}/per_class_top1", measured, epoch)
-    state.writer.write(record, scalars, epoch)
+
+
+def log_checkpoint_evaluation(
+    out_dir: str,
+    weights: str,
+    stats: dict,
+    confusion: torch.Tensor,
+    *,
+    classes: list[str],
+    topk: int,
+    world_size: int,
+) -> list[str]:
+    """Report ``--eval-only``'s evaluation of ``weights``: a log line, the
+    per-class top-1 (rank 0 writes it and the confusion matrix to
+    ``out_dir``) and a metrics.jsonl record; the paths written."""
+    logger.info(
+        "eval %s  loss %.4f  top1 %.2f  top%d %.2f  samples %d",
+        weights,
+        stats["loss"],
+        stats["top1"],
+        topk,
+        stats["topk"],
+        stats["samples"],
+    )
+    table = reports.format_per_class(confusion, classes)
+    logger.info("per-class top-1:\n%s", table)
+    files = []
+    if du.is_main_process():
+        files = reports.write_per_class(out_dir, confusion, classes)
+        logger.info("wrote %s", ", ".join(files))
+    writer = MetricsWriter(out_dir, enabled=du.is_main_process())
+    record = {"split": "val", "eval_only": True, "weights": weights}
+    record.update(world_size=world_size, **stats)
+    record["per_class_top1"] = per_class_top1(confusion)
+    writer.write(record)
+    writer.close()
+    return files
 
 
 def log_training_images(writer: MetricsWriter, dataset, seed: int) -> None:

@@ -12,29 +12,38 @@ from __future__ import annotations
 import functools
 
 import torch
+import yaml
 from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
-from distribuuuu.config import flat_cfg
+from distribuuuu.config import flat_cfg, resolve_data_name
 from distribuuuu.data import eval_sizes
-from distribuuuu.engine.evaluation import EvalSpec
+from distribuuuu.data.spec import DataSpec, LoaderSpec, TransformSpec
+from distribuuuu.data.transforms import CROP_MODES
+from distribuuuu.engine.evaluation import EvalSpec, strategy_eval
 from distribuuuu.engine.loop import LoopSpec
 from distribuuuu.engine.losses import Distillation, LossSpec
 from distribuuuu.engine.profiling import ProfileSpec
 from distribuuuu.engine.resume import ResumeSpec, SaveSpec
 from distribuuuu.engine.run_log import LogSpec
-from distribuuuu.engine.state import BatchPlan
+from distribuuuu.engine.state import BatchPlan, TrainState
+from distribuuuu.models.spec import ModelSpec
 from distribuuuu.optim import build as optim
+from distribuuuu.optim.spec import OptimizerSpec, ScheduleSpec
 from distribuuuu.reporting.remote_trackers import MlflowSpec, TrackerSpec, WandbSpec
+from distribuuuu.strategies.chain import takes_fp16
+from distribuuuu.strategies.precision import resolve_auto_precision
+from distribuuuu.strategies.spec import DeepSpeedSpec, PipelineSpec, StrategySpec
 
 # --------------------------------------------------------------------------- #
 # reporting: the experiment trackers
 # --------------------------------------------------------------------------- #
 
 
-def tracker_spec(cfg: CfgNode) -> TrackerSpec:
-    """What the trackers need: OUT_DIR, LOG.* and the config as flat params."""
+def tracker_spec(cfg: CfgNode, precision: str | None = None) -> TrackerSpec:
+    """What the trackers need: OUT_DIR, LOG.* and the config as flat params
+    (with TRAIN.MIXED_PRECISION the ``precision`` the run resolved)."""
     log = cfg.LOG
     mlflow = MlflowSpec(
         tracking_uri=log.MLFLOW.TRACKING_URI,
@@ -52,7 +61,7 @@ def tracker_spec(cfg: CfgNode) -> TrackerSpec:
     return TrackerSpec(
         out_dir=cfg.OUT_DIR,
         trackers=tuple(log.TRACKERS),
-        params=flat_cfg(cfg),
+        params=run_params(cfg, precision),
         config_file=cfg.CFG_DEST,
         close_timeout=log.CLOSE_TIMEOUT,
         mlflow=mlflow,
@@ -83,7 +92,7 @@ def eval_spec(
         print_freq=cfg.TEST.PRINT_FREQ,
         amp_dtype=amp_dtype,
         tta=cfg.TEST.TTA,
-        crop=eval_sizes(cfg)[1],
+        crop=eval_sizes(transform_spec(cfg))[1],
         **more,
     )
 
@@ -117,11 +126,6 @@ def log_spec(cfg: CfgNode) -> LogSpec:
     )
 
 
-def scheduled_lr(optim_cfg: CfgNode, epoch: int, fraction: float) -> float:
-    """OPTIM's learning rate for a step ``fraction`` of the way into ``epoch``."""
-    return optim.lr_at(optim_cfg, optim.lr_epoch(optim_cfg, epoch, fraction))
-
-
 def loop_spec(cfg: CfgNode) -> LoopSpec:
     """What the training loop reads: OPTIM's schedule, the loss, the log
     lines, TRAIN.PRINT_FREQ and TRAIN.PROFILE_STEPS."""
@@ -129,7 +133,7 @@ def loop_spec(cfg: CfgNode) -> LoopSpec:
     if cfg.TRAIN.PROFILE_STEPS > 0:
         profile = ProfileSpec(steps=cfg.TRAIN.PROFILE_STEPS, out_dir=cfg.OUT_DIR)
     return LoopSpec(
-        lr_at=functools.partial(scheduled_lr, cfg.OPTIM),
+        schedule=schedule_spec(cfg),
         loss=loss_spec(cfg),
         log=log_spec(cfg),
         print_freq=cfg.TRAIN.PRINT_FREQ,
@@ -137,9 +141,10 @@ def loop_spec(cfg: CfgNode) -> LoopSpec:
     )
 
 
-def save_spec(cfg: CfgNode) -> SaveSpec:
+def save_spec(cfg: CfgNode, precision: str | None = None) -> SaveSpec:
     """Where the run saves, what its files carry (MODEL.ARCH, the config as
-    yaml) and which checkpoints it keeps (CHECKPOINT.KEEP, KEEP_BEST)."""
+    yaml, with the ``precision`` the run resolved) and which checkpoints it
+    keeps (CHECKPOINT.KEEP, KEEP_BEST)."""
     keys = cfg.CHECKPOINT
     retention = cp.Retention(
         keep=keys.KEEP, best=keys.KEEP_BEST, lower_is_better=keys.BEST_METRIC == "loss"
@@ -147,7 +152,7 @@ def save_spec(cfg: CfgNode) -> SaveSpec:
     return SaveSpec(
         out_dir=cfg.OUT_DIR,
         arch=cfg.MODEL.ARCH,
-        config_dump=cfg.dump(),
+        config_dump=config_dump(cfg, precision),
         retention=retention,
     )
 
@@ -170,5 +175,218 @@ def batch_spec(cfg: CfgNode, world_size: int) -> BatchPlan:
     """The batch plan of a fresh run on ``world_size`` data-parallel replicas:
     TRAIN.BATCH_SIZE, TRAIN.ACCUM_STEPS and OPTIM.REFERENCE_BATCH's LR scale."""
     per_rank, accum = cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.ACCUM_STEPS
-    scale = optim.reference_lr_scale(cfg.OPTIM, per_rank * accum * world_size)
+    scale = optim.reference_lr_scale(schedule_spec(cfg), per_rank * accum * world_size)
     return BatchPlan(per_rank, accum, world_size, scale)
+
+
+def run_eval_spec(cfg: CfgNode, state: TrainState, **more) -> EvalSpec:
+    """How a training run evaluates its model: :func:`eval_spec` on the run's
+    device, normaliser and precision, with what its strategy decides."""
+    decided = strategy_eval(state.strategy, state.model)
+    return eval_spec(
+        cfg, state.device, state.normalize, state.amp_dtype, **decided, **more
+    )
+
+
+# --------------------------------------------------------------------------- #
+# data, models, optim: the data set and its loaders, the model, the optimizer
+# and its learning-rate schedule
+# --------------------------------------------------------------------------- #
+
+
+def transform_spec(cfg: CfgNode) -> TransformSpec:
+    """The transforms' sizes, flips, interpolations and augmentations
+    (TRAIN.IM_SIZE, TRAIN.HFLIP, TEST.IM_SIZE, TEST.CROP_*, TEST.TTA's crops,
+    DATA.AUTO_AUGMENT, DATA.RANDOM_ERASING, ...)."""
+    train, test, data = cfg.TRAIN, cfg.TEST, cfg.DATA
+    return TransformSpec(
+        im_size=train.IM_SIZE,
+        hflip=train.HFLIP,
+        train_interpolation=train.INTERPOLATION,
+        test_interpolation=test.INTERPOLATION,
+        test_im_size=test.IM_SIZE,
+        test_crop_size=test.CROP_SIZE,
+        test_crop_pct=test.CROP_PCT,
+        device_crops=test.TTA in CROP_MODES,
+        auto_augment=data.AUTO_AUGMENT,
+        randaug_n=data.RANDAUG_N,
+        randaug_m=data.RANDAUG_M,
+        random_erasing=data.RANDOM_ERASING,
+    )
+
+
+def data_spec(cfg: CfgNode) -> DataSpec:
+    """The data set (DATA.NAME resolved), where its splits lie, how its
+    images are read and turned into tensors, and MODEL.NUM_CLASSES."""
+    return DataSpec(
+        name=resolve_data_name(cfg),
+        transform=transform_spec(cfg),
+        num_classes=cfg.MODEL.NUM_CLASSES,
+        decoder=cfg.DATA.DECODER,
+        train_dataset=cfg.TRAIN.DATASET,
+        train_split=cfg.TRAIN.SPLIT,
+        test_dataset=cfg.TEST.DATASET,
+        test_split=cfg.TEST.SPLIT,
+        download=cfg.DATA.DOWNLOAD,
+        skip_corrupt=cfg.DATA.SKIP_CORRUPT,
+        synthetic_size=tuple(cfg.DATA.SYNTHETIC_SIZE),
+    )
+
+
+def loader_spec(cfg: CfgNode) -> LoaderSpec:
+    """How the loaders serve the samples (TRAIN.WORKERS, TRAIN.PIN_MEMORY,
+    DATA.DECODER, DATA.SHUFFLE_BUFFER, DATA.REPEATED_AUG, TEST.BATCH_SIZE)."""
+    return LoaderSpec(
+        workers=cfg.TRAIN.WORKERS,
+        pin_memory=cfg.TRAIN.PIN_MEMORY,
+        decoder=cfg.DATA.DECODER,
+        shuffle_buffer=cfg.DATA.SHUFFLE_BUFFER,
+        repeated_aug=cfg.DATA.REPEATED_AUG,
+        test_batch_size=cfg.TEST.BATCH_SIZE,
+    )
+
+
+def model_spec(cfg: CfgNode) -> ModelSpec:
+    """The model of the MODEL section: architecture, head, pretrained
+    weights, dropout, drop path and BatchNorm settings."""
+    model = cfg.MODEL
+    return ModelSpec(
+        arch=model.ARCH,
+        num_classes=model.NUM_CLASSES,
+        pretrained=model.PRETRAINED,
+        dropout=model.DROPOUT,
+        drop_path=model.DROP_PATH,
+        bn_momentum=model.BN_MOMENTUM,
+        bn_eps=model.BN_EPS,
+    )
+
+
+def optimizer_spec(cfg: CfgNode) -> OptimizerSpec:
+    """OPTIM's optimizer, its hyper-parameters and its parameter groups."""
+    keys = cfg.OPTIM
+    return OptimizerSpec(
+        name=keys.OPTIMIZER,
+        base_lr=keys.BASE_LR,
+        weight_decay=keys.WEIGHT_DECAY,
+        momentum=keys.MOMENTUM,
+        dampening=keys.DAMPENING,
+        nesterov=keys.NESTEROV,
+        betas=tuple(keys.BETAS),
+        eps=keys.EPS,
+        rmsprop_alpha=keys.RMSPROP_ALPHA,
+        lars_eta=keys.LARS_ETA,
+        no_decay_norm_bias=keys.NO_DECAY_NORM_BIAS,
+        layer_decay=keys.LAYER_DECAY,
+    )
+
+
+def schedule_spec(cfg: CfgNode) -> ScheduleSpec:
+    """OPTIM's learning-rate schedule: policy, warmup, LR_STEP and the
+    linear scaling rule's REFERENCE_BATCH."""
+    keys = cfg.OPTIM
+    return ScheduleSpec(
+        policy=keys.LR_POLICY,
+        step=keys.LR_STEP,
+        base_lr=keys.BASE_LR,
+        min_lr=keys.MIN_LR,
+        max_epoch=keys.MAX_EPOCH,
+        steps=tuple(keys.STEPS),
+        lr_mult=keys.LR_MULT,
+        lr_gamma=keys.LR_GAMMA,
+        onecycle_pct_start=keys.ONECYCLE_PCT_START,
+        onecycle_div_factor=keys.ONECYCLE_DIV_FACTOR,
+        warmup_epochs=keys.WARMUP_EPOCHS,
+        warmup_factor=keys.WARMUP_FACTOR,
+        reference_batch=keys.REFERENCE_BATCH,
+    )
+
+
+# --------------------------------------------------------------------------- #
+# strategies: the strategy's spec, the run's precision and its saved config
+# --------------------------------------------------------------------------- #
+
+
+def strategy_spec(
+    cfg: CfgNode,
+    device: torch.device | None = None,
+    *,
+    precision: str | None = None,
+    amp_dtype: torch.dtype | None = None,
+) -> StrategySpec:
+    """What the strategies read (DIST, MODEL.SYNCBN / ACT_CKPT / CHANNELS_LAST
+    / COMPILE, TRAIN's batch, OPTIM) for a process on ``device`` (None
+    before it has one); ``precision``: TRAIN.MIXED_PRECISION as the run
+    resolved it (default: the config's), ``amp_dtype`` its autocast dtype."""
+    dist, model, pipe = cfg.DIST, cfg.MODEL, cfg.DIST.PIPELINE
+    optimizer = optimizer_spec(cfg)
+    return StrategySpec(
+        name=dist.STRATEGY,
+        device=device,
+        precision=precision or cfg.TRAIN.MIXED_PRECISION,
+        amp_dtype=amp_dtype,
+        tensor_parallel=dist.TENSOR_PARALLEL,
+        sequence_parallel=dist.SEQUENCE_PARALLEL,
+        fsdp_cpu_offload=dist.FSDP_CPU_OFFLOAD,
+        syncbn=model.SYNCBN,
+        arch=model.ARCH,
+        image_size=cfg.TRAIN.IM_SIZE,
+        batch_size=cfg.TRAIN.BATCH_SIZE,
+        accum_steps=cfg.TRAIN.ACCUM_STEPS,
+        clip_grad_norm=cfg.OPTIM.CLIP_GRAD_NORM,
+        activation_checkpointing=model.ACT_CKPT,
+        channels_last=model.CHANNELS_LAST,
+        compile_model=model.COMPILE,
+        compile_mode=model.COMPILE_MODE,
+        pipeline=PipelineSpec(
+            stages=pipe.STAGES,
+            micro_batches=pipe.MICROBATCHES or 2 * pipe.STAGES,
+            schedule=pipe.SCHEDULE,
+            virtual_stages=pipe.VIRTUAL_STAGES,
+            split=tuple(pipe.SPLIT),
+        ),
+        deepspeed=deepspeed_spec(cfg),
+        build_optimizer=functools.partial(optim.build_optimizer, spec=optimizer),
+        param_groups=functools.partial(optim.build_param_groups, spec=optimizer),
+        optimizer_state_tensors=optim.state_tensors(optimizer),
+    )
+
+
+def deepspeed_spec(cfg: CfgNode) -> DeepSpeedSpec:
+    """DIST.DEEPSPEED: the ZeRO stage, the offloads and a user's json."""
+    ds = cfg.DIST.DEEPSPEED
+    return DeepSpeedSpec(
+        zero_stage=ds.ZERO_STAGE,
+        offload_optimizer=ds.OFFLOAD_OPTIMIZER,
+        offload_params=ds.OFFLOAD_PARAMS,
+        nvme_path=ds.NVME_PATH,
+        config=ds.CONFIG,
+    )
+
+
+def run_precision(cfg: CfgNode, device: torch.device) -> str:
+    """TRAIN.MIXED_PRECISION as a run on ``device`` uses it: ``auto``
+    resolved for the device and for what the run's strategy takes."""
+    fp16 = takes_fp16(strategy_spec(cfg))
+    return resolve_auto_precision(cfg.TRAIN.MIXED_PRECISION, device, fp16)
+
+
+def config_dump(cfg: CfgNode, precision: str | None = None) -> str:
+    """The run's config as yaml text (config.yaml, the checkpoints' dump):
+    ``cfg.dump()`` with TRAIN.MIXED_PRECISION the ``precision`` it resolved
+    (None: as the config says)."""
+    text = cfg.dump()
+    if precision in (None, cfg.TRAIN.MIXED_PRECISION):
+        return text
+    tree = yaml.safe_load(text)
+    tree["TRAIN"]["MIXED_PRECISION"] = precision
+    return yaml.safe_dump(tree)
+
+
+def run_params(cfg: CfgNode, precision: str | None = None) -> dict:
+    """The config as flat ``KEY: value`` params (for the trackers), with
+    TRAIN.MIXED_PRECISION the ``precision`` the run resolved (None: as the
+    config says)."""
+    params = flat_cfg(cfg)
+    if precision is not None:
+        params["TRAIN.MIXED_PRECISION"] = precision
+    return params

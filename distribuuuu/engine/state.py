@@ -14,10 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from yacs.config import CfgNode
 
 from distribuuuu.checkpoint import format as ckpt_format
-from distribuuuu.optim import build as optim
 from distribuuuu.reporting.meters import DataBoundWatch
 
 if TYPE_CHECKING:  # imported for the annotations only
@@ -45,7 +43,7 @@ class Progress:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """Batch geometry of this run (it may differ from cfg after a resume)."""
+    """Batch geometry of this run (it may differ from the config after a resume)."""
 
     per_rank: int  # micro-batch per process
     accum: int  # micro-batches per optimizer step
@@ -76,25 +74,26 @@ class BatchPlan:
         )
 
 
-def plan_batches(cfg: CfgNode, world_size: int, saved: BatchPlan | None) -> BatchPlan:
+def plan_batches(
+    asked: BatchPlan, saved: BatchPlan | None, resume_batch: str = "global"
+) -> BatchPlan:
     """The batch plan, continuing a checkpoint's (``saved``) when resuming.
 
-    On another world size the global batch is kept (per-process batch
-    recomputed) unless ``TRAIN.RESUME_BATCH per_rank``, which keeps the
+    ``asked``: the plan of a fresh run (TRAIN.BATCH_SIZE, TRAIN.ACCUM_STEPS,
+    the data-parallel world size, the linear scaling rule's LR scale).  When
+    resuming, its accumulation steps and world size count; on another world
+    size the global batch is kept (per-process batch recomputed) unless
+    ``resume_batch`` is ``per_rank`` (TRAIN.RESUME_BATCH), which keeps the
     per-process batch and scales the learning rate with the global batch.
-    A fresh run starts from the linear scaling rule of
-    ``OPTIM.REFERENCE_BATCH`` (1 when it is off).
     """
-    accum = cfg.TRAIN.ACCUM_STEPS
     if saved is None:
-        per_rank = cfg.TRAIN.BATCH_SIZE
-        scale = optim.reference_lr_scale(cfg.OPTIM, per_rank * accum * world_size)
-        return BatchPlan(per_rank, accum, world_size, scale)
+        return asked
+    accum, world_size = asked.accum, asked.world_size
     old_global, lr_scale = saved.global_batch, saved.lr_scale
     per_rank = saved.per_rank * saved.accum // accum
     if saved.world_size == world_size:
         return BatchPlan(per_rank, accum, world_size, lr_scale)
-    if cfg.TRAIN.RESUME_BATCH == "per_rank":
+    if resume_batch == "per_rank":
         new_global = per_rank * accum * world_size
         plan = BatchPlan(
             per_rank, accum, world_size, lr_scale * new_global / old_global
@@ -127,6 +126,16 @@ class RunClock:
     def __init__(self, total_iters: int, done_iters: int):
         self.total_iters, self.done_iters = total_iters, done_iters
         self.start_iters, self.start = done_iters, time.perf_counter()
+
+    @classmethod
+    def at(
+        cls, progress: Progress, plan: BatchPlan, loader_batches: int, max_epoch: int
+    ) -> RunClock:
+        """The clock of a run that stands at ``progress``: optimizer steps over
+        ``max_epoch`` epochs of ``loader_batches`` micro-batches each."""
+        steps_per_epoch = loader_batches // plan.accum
+        done = progress.epoch * steps_per_epoch + progress.consumed // plan.global_batch
+        return cls(max_epoch * steps_per_epoch, done)
 
     def step(self) -> None:
         self.done_iters += 1

@@ -9,18 +9,18 @@ strategy, optimizer and resume state; the epoch loop trains
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import signal
 import time
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
-from distribuuuu.checkpoint.format import restore_rng_state
-from distribuuuu.config import dump_cfg, flat_cfg
+from distribuuuu.checkpoint.format import SavedRun, restore_rng_state
+from distribuuuu.config import dump_cfg
 from distribuuuu.data import (
     build_dataset,
     build_normalizer,
@@ -29,30 +29,25 @@ from distribuuuu.data import (
     describe_decoder,
 )
 from distribuuuu.dist import group as du
-from distribuuuu.dist.slurm import requeue_slurm_job
 from distribuuuu.dist.watchdog import Watchdog
-from distribuuuu.engine.evaluation import (
-    EvalSpec,
-    evaluate,
-    evaluate_epoch,
-    strategy_eval,
-)
-from distribuuuu.engine.loop import StopRequest, train_epoch
+from distribuuuu.engine import specs
+from distribuuuu.engine.best import keep_best
+from distribuuuu.engine.evaluation import evaluate, evaluate_epoch, weights_to_evaluate
+from distribuuuu.engine.loop import StopRequest, end_stopped_run, train_epoch
 from distribuuuu.engine.resume import resume_or_load, save_training_checkpoint
-from distribuuuu.engine.run_log import log_training_images
+from distribuuuu.engine.run_log import log_checkpoint_evaluation, log_training_images
 from distribuuuu.engine.session import resolve_seed, run_context, seed_everything
-from distribuuuu.engine.specs import tracker_spec
 from distribuuuu.engine.state import BatchPlan, RunClock, TrainState, plan_batches
 from distribuuuu.models import build_configured, build_model, zero_init_residual
 from distribuuuu.models.ema import ModelEma
-from distribuuuu.models.recompute import enable_activation_checkpointing
 from distribuuuu.reporting import reports
 from distribuuuu.reporting.meters import PeakMemory
 from distribuuuu.reporting.remote_trackers import build_trackers
 from distribuuuu.reporting.trackers import FAILED, FINISHED, KILLED
 from distribuuuu.reporting.writer import MetricsWriter
-from distribuuuu.strategies import Strategy, build_strategy, strategy_class
-from distribuuuu.strategies.precision import resolve_auto_precision, resolve_precision
+from distribuuuu.strategies import build_strategy, strategy_class
+from distribuuuu.strategies.chain import prepare_model, runs_channels_last
+from distribuuuu.strategies.precision import resolve_precision
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +63,13 @@ def train_model(cfg: CfgNode) -> dict:
         Watchdog(cfg.DATA.TIMEOUT, info.rank) as watchdog,
     ):
         if info.rank == 0:
-            dump_cfg(cfg)
-            strategy_class(cfg).write_config(cfg, info.world_size)
+            write_run_config(cfg, device, info.world_size)
             for path in cp.remove_stale_files(cfg.OUT_DIR):
                 logger.info("removed %s, left by a save that was killed", path)
-        trackers = build_trackers(tracker_spec(cfg)) if info.rank == 0 else []
+        precision = specs.run_precision(cfg, device)
+        trackers = []
+        if info.rank == 0:
+            trackers = build_trackers(specs.tracker_spec(cfg, precision))
         writer = MetricsWriter(cfg.OUT_DIR, info.rank == 0, trackers)
         status = FAILED
         try:
@@ -102,11 +99,6 @@ def dry_run(cfg: CfgNode) -> dict:
     resume from is loaded; nothing is written.  Returns the timings (seconds)
     and the step's metrics.
     """
-    cfg = cfg.clone()
-    cfg.defrost()
-    cfg.TRAIN.PRINT_FREQ = 1  # log the single step
-    cfg.TRAIN.PROFILE_STEPS = 0  # nothing is written
-    cfg.freeze()
     with (
         run_context(cfg, log_files=False) as (info, device),
         Watchdog(cfg.DATA.TIMEOUT, info.rank) as watchdog,
@@ -117,11 +109,12 @@ def dry_run(cfg: CfgNode) -> dict:
         train_loader = watchdog.watch(train_loader, "train")
         val_loader = watchdog.watch(val_loader, "eval")
         built = time.perf_counter()
-        train_epoch(state, train_loader, cfg, after_step=lambda: True)
+        # The single step is logged; nothing is written (no profile).
+        one_step = dataclasses.replace(specs.loop_spec(cfg), print_freq=1, profile=None)
+        train_epoch(state, train_loader, one_step, after_step=lambda: True)
         stepped = time.perf_counter()
         strategy, model = state.strategy, state.model
-        spec = EvalSpec.of(cfg, device, state.normalize, state.amp_dtype,
-                           max_iters=1, **strategy_eval(strategy, model))  # fmt: skip
+        spec = specs.run_eval_spec(cfg, state, max_iters=1)
         stats, _ = evaluate(strategy.eval_model(model), val_loader, spec)
         done = time.perf_counter()
         # Nothing was reset: the peak of the whole dry run, build included, on
@@ -148,48 +141,13 @@ def dry_run(cfg: CfgNode) -> dict:
         return {**timings, **stats}
 
 
-def prepare_model(
-    cfg: CfgNode, strategy: Strategy, model: nn.Module
-) -> tuple[nn.Module, bool]:
-    """``model`` made ready by ``strategy`` (activation checkpointing and
-    channels-last first, where asked); and whether it runs channels-last."""
-    if cfg.MODEL.ACT_CKPT:
-        blocks = enable_activation_checkpointing(model)
-        if blocks:
-            logger.info("activation checkpointing: %d blocks recompute", blocks)
-    channels_last = cfg.MODEL.CHANNELS_LAST and strategy.supports_channels_last
-    if cfg.MODEL.CHANNELS_LAST and not channels_last:
-        logger.info(
-            "channels-last: off under %s, which shards contiguous tensors",
-            strategy.name.upper(),
-        )
-    elif channels_last:
-        # Convolutions give outputs in the layout of their weights, so the whole
-        # network runs channels-last; the normaliser writes the input batches
-        # in that layout too, which saves the first convolution a copy.
-        model = model.to(memory_format=torch.channels_last)
-    model = strategy.prepare_model(model)
-    if cfg.MODEL.COMPILE:
-        compile_in_place(strategy.plain_model(model), cfg.MODEL.COMPILE_MODE)
-    return model, channels_last
-
-
-def compile_in_place(model: nn.Module, mode: str) -> None:
-    """``torch.compile`` the forward of ``model`` in place (``nn.Module.compile``):
-    the module and its state_dict keys stay as they are, so checkpoints carry
-    no compiler prefix, and the wrapper around it (DDP) calls the compiled
-    forward in training as evaluation does.  Compilation happens at the first
-    forward; a graph that fails to compile runs eagerly, with torch's warning
-    (``torch._dynamo.config.suppress_errors``)."""
-    import torch._dynamo
-
-    torch._dynamo.config.suppress_errors = True
-    model.compile(mode=None if mode == "default" else mode)
-    logger.info(
-        "MODEL.COMPILE: torch.compile (mode %s) at the first forward; what fails "
-        "to compile runs eagerly",
-        mode,
-    )
+def write_run_config(cfg: CfgNode, device: torch.device, world_size: int) -> None:
+    """Rank 0's record of the run beside its outputs: config.yaml (with the
+    precision ``auto`` resolved to) and the strategy's own config files."""
+    precision = specs.run_precision(cfg, device)
+    dump_cfg(cfg, text=specs.config_dump(cfg, precision))
+    spec = specs.strategy_spec(cfg, device, precision=precision)
+    strategy_class(spec.name).write_config(spec, world_size, cfg.OUT_DIR)
 
 
 def build_train_state(
@@ -197,57 +155,85 @@ def build_train_state(
 ) -> tuple[TrainState, DataLoader, DataLoader]:
     """Data, model, strategy, optimizer, resume state and loaders of a
     training run.  Logs the start-up report; all ranks must call it."""
-    rank, world = info.rank, info.world_size
     seed = resolve_seed(cfg.RNG_SEED)
-    seed_everything(seed + rank)
-    train_set, val_set = build_dataset(cfg, True), build_dataset(cfg, False)
-    model = build_configured(cfg.MODEL)
+    seed_everything(seed + info.rank)
+    data = specs.data_spec(cfg)
+    train_set = build_dataset(data, train=True)
+    val_set = build_dataset(data, train=False)
+    model = build_configured(specs.model_spec(cfg))
     if cfg.MODEL.ZERO_INIT_RESIDUAL:
         blocks = zero_init_residual(model)
         logger.info("residual branches zero-initialised in %d blocks", blocks)
     size = reports.model_size(model)
-    resolve_auto_precision(cfg, device)  # for callers outside run_context (benchmark)
-    amp_dtype, use_scaler = resolve_precision(cfg.TRAIN.MIXED_PRECISION, device)
-    strategy = build_strategy(cfg, device, amp_dtype)
-    model, channels_last = prepare_model(cfg, strategy, model)
+    precision = specs.run_precision(cfg, device)
+    amp_dtype, use_scaler = resolve_precision(precision, device)
+    strategy = build_strategy(
+        specs.strategy_spec(cfg, device, precision=precision, amp_dtype=amp_dtype)
+    )
+    model = prepare_model(strategy, model)
+    channels_last = runs_channels_last(strategy)
     optimizer = strategy.build_optimizer(model)
     scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
-    ema = None
-    if cfg.MODEL.EMA:
-        ema = ModelEma(model, cfg.MODEL.EMA_DECAY, cfg.MODEL.EMA_WARMUP,
-                       cfg.MODEL.EMA_EVERY)  # fmt: skip
-    progress, saved, start = resume_or_load(cfg, strategy, model, optimizer,
-                                            scaler, ema)  # fmt: skip
+    ema = build_ema(cfg, model)
+    progress, saved, start = resume_or_load(
+        specs.resume_spec(cfg), strategy, model, optimizer, scaler=scaler, ema=ema
+    )
     progress.seed = seed if saved is None else progress.seed
     writer.start({} if saved is None else saved.tracker_runs)
-    # The data is read per data-parallel replica (the processes of a pipeline
-    # share their batches).
     replica, replicas = strategy.data_parallel()
-    saved_plan = None if saved is None else BatchPlan.of(saved.plan)
-    plan = plan_batches(cfg, replicas, saved_plan)
-    train_loader = build_train_loader(
-        cfg, train_set, replica, replicas, progress.seed, device, plan.per_rank
+    plan = run_batch_plan(cfg, replicas, saved)
+    train_loader, val_loader = build_loaders(
+        cfg, (train_set, val_set), plan, replica, seed=progress.seed, device=device
     )
-    val_loader = build_test_loader(cfg, val_set, replica, replicas, device)
-    check_loader(train_loader, plan)
-    rng = None if saved is None else saved.rng_of(rank, world)
-    if rng is not None:
-        restore_rng_state(rng, strategy.devices(model))
-    steps_per_epoch = len(train_loader) // plan.accum
-    clock = RunClock(
-        cfg.OPTIM.MAX_EPOCH * steps_per_epoch,
-        progress.epoch * steps_per_epoch + progress.consumed // plan.global_batch,
+    restore_saved_rng(saved, info, strategy.devices(model))
+    state = TrainState(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        scaler=scaler,
+        amp_dtype=amp_dtype,
+        device=device,
+        normalize=build_normalizer(data, device, channels_last),
+        plan=plan,
+        progress=progress,
+        clock=RunClock.at(progress, plan, len(train_loader), cfg.OPTIM.MAX_EPOCH),
+        writer=writer,
+        classes=list(train_set.classes),
+        ema=ema,
+        teacher=build_teacher(cfg, device),
     )
-    normalize = build_normalizer(cfg, device, channels_last)
-    teacher = build_teacher(cfg, device)
-    state = TrainState(strategy, model, optimizer, scaler, amp_dtype, device,
-                       normalize, plan, progress, clock, writer,
-                       list(train_set.classes), ema, teacher)  # fmt: skip
     sizes = {"train_images": len(train_set), "val_images": len(val_set)}
-    report_start(cfg, info, state, size, sizes, start)
+    report_start(cfg, info, state, size=size, sizes=sizes, start=start)
     if saved is None and writer.enabled:
         log_training_images(writer, train_set, progress.seed)
     return state, train_loader, val_loader
+
+
+def run_batch_plan(cfg: CfgNode, replicas: int, saved: SavedRun | None) -> BatchPlan:
+    """The batch plan on ``replicas`` data-parallel replicas (the processes of
+    a pipeline share their batches), continuing ``saved``'s when resuming."""
+    saved_plan = None if saved is None else BatchPlan.of(saved.plan)
+    asked = specs.batch_spec(cfg, replicas)
+    return plan_batches(asked, saved_plan, resume_batch=cfg.TRAIN.RESUME_BATCH)
+
+
+def restore_saved_rng(
+    saved: SavedRun | None, info: du.LaunchInfo, devices: list[torch.device]
+) -> None:
+    """Put back this rank's RNG state from the checkpoint resumed, if it has one."""
+    rng = None if saved is None else saved.rng_of(info.rank, info.world_size)
+    if rng is not None:
+        restore_rng_state(rng, devices)
+
+
+def build_ema(cfg: CfgNode, model: nn.Module) -> ModelEma | None:
+    """MODEL.EMA's moving average of the prepared ``model``; None when off."""
+    if not cfg.MODEL.EMA:
+        return None
+    model_cfg = cfg.MODEL
+    return ModelEma(
+        model, model_cfg.EMA_DECAY, model_cfg.EMA_WARMUP, model_cfg.EMA_EVERY
+    )
 
 
 def build_teacher(cfg: CfgNode, device: torch.device) -> nn.Module | None:
@@ -261,13 +247,30 @@ def build_teacher(cfg: CfgNode, device: torch.device) -> nn.Module | None:
     teacher.requires_grad_(False)
     logger.info(
         "distillation: teacher %s from %s, %s, alpha %g, tau %g",
-        distill.ARCH, distill.WEIGHTS, distill.TYPE, distill.ALPHA, distill.TAU,
-    )  # fmt: skip
+        distill.ARCH,
+        distill.WEIGHTS,
+        distill.TYPE,
+        distill.ALPHA,
+        distill.TAU,
+    )
     return teacher.to(device).eval()
 
 
-def report_start(cfg, info, state: TrainState, size, sizes, start: str) -> None:
-    """Log, record and show in tensorboard what the run is about to do."""
+def report_start(
+    cfg: CfgNode,
+    info: du.LaunchInfo,
+    state: TrainState,
+    *,
+    size: dict,
+    sizes: dict,
+    start: str,
+) -> None:
+    """Log, record and show in tensorboard what the run is about to do.
+
+    ``size``: the model's size (:func:`reports.model_size`); ``sizes``: the
+    number of training and validation images; ``start``: what the run starts
+    from, in words.
+    """
     plan, progress = state.plan, state.progress
     report = {
         "versions": reports.versions(),
@@ -276,7 +279,7 @@ def report_start(cfg, info, state: TrainState, size, sizes, start: str) -> None:
             "name": cfg.DATA.NAME,
             **sizes,
             "class_names": state.classes,
-            "decoder": describe_decoder(cfg),
+            "decoder": describe_decoder(specs.data_spec(cfg)),
         },
         "model": {"arch": cfg.MODEL.ARCH, "syncbn": cfg.MODEL.SYNCBN, **size},
         "batch": {
@@ -308,6 +311,32 @@ def fullest(memory: dict) -> dict:
     return {key: max(part[key] for part in every) for key in memory}
 
 
+def build_loaders(
+    cfg: CfgNode,
+    datasets: tuple[Dataset, Dataset],
+    plan: BatchPlan,
+    replica: int,
+    seed: int,
+    device: torch.device,
+) -> tuple[DataLoader, DataLoader]:
+    """The training and validation loaders of the data-parallel ``replica``
+    (of ``plan.world_size``); the training loader checked against ``plan``."""
+    loaders = specs.loader_spec(cfg)
+    train_set, val_set = datasets
+    train_loader = build_train_loader(
+        loaders,
+        train_set,
+        rank=replica,
+        world_size=plan.world_size,
+        seed=seed,
+        device=device,
+        batch_size=plan.per_rank,
+    )
+    check_loader(train_loader, plan)
+    val_loader = build_test_loader(loaders, val_set, replica, plan.world_size, device)
+    return train_loader, val_loader
+
+
 def check_loader(loader: DataLoader, plan) -> None:
     """Refuse a step larger than the training images each process gets."""
     if len(loader) < plan.accum:
@@ -325,37 +354,40 @@ def train_epochs(
     val_loader: DataLoader,
     stop: StopRequest,
 ) -> dict:
-    """The epoch loop of :func:`train_model`: train, evaluate, save."""
+    """The epoch loop of :func:`train_model`: train, evaluate, keep the best
+    weights, save."""
     progress, period = state.progress, cfg.CHECKPOINT.PERIOD_ITERS
+    precision = state.strategy.spec.precision
+    loop, save = specs.loop_spec(cfg), specs.save_spec(cfg, precision)
     stopped_by = 0
 
     def after_step() -> bool:
         nonlocal stopped_by
         stopped_by = stop.agreed(state.clock.done_iters)
         if stopped_by or (period and state.clock.done_iters % period == 0):
-            save_training_checkpoint(cfg, state)
+            save_training_checkpoint(save, state)
         return bool(stopped_by)
 
     stats: dict = {}
     memory = PeakMemory(state.strategy.devices(state.model))
     while progress.epoch < cfg.OPTIM.MAX_EPOCH:
         memory.reset()  # the training epoch's own peak, not the run's
-        if train_epoch(state, train_loader, cfg, after_step):
-            return stopped(cfg, stopped_by)
-        train_peak = memory.read()
-        trained = progress.consumed  # over restarts, if any
+        if train_epoch(state, train_loader, loop, after_step):
+            return end_stopped_run(stopped_by, requeue=cfg.DIST.REQUEUE)
+        # Samples trained in the epoch (over restarts, if any) and its peak.
+        epoch = {"trained": progress.consumed, "train_peak": memory.read()}
         progress.epoch, progress.consumed = progress.epoch + 1, 0
         loaders = (train_loader, val_loader)
-        stats = evaluate_epoch(cfg, state, *loaders, trained, train_peak=train_peak)
+        stats = evaluate_and_keep_best(cfg, state, loaders, **epoch)
         if state.ema is not None:
             with state.ema.swapped_in():
-                evaluate_epoch(cfg, state, *loaders, trained, True, train_peak)
+                evaluate_and_keep_best(cfg, state, loaders, ema=True, **epoch)
         last = progress.epoch == cfg.OPTIM.MAX_EPOCH
         stopped_by = stop.agreed()
         if stopped_by or last or progress.epoch % cfg.CHECKPOINT.PERIOD == 0:
-            save_training_checkpoint(cfg, state, stats[cfg.CHECKPOINT.BEST_METRIC])
+            save_training_checkpoint(save, state, stats[cfg.CHECKPOINT.BEST_METRIC])
         if stopped_by:
-            return stopped(cfg, stopped_by)
+            return end_stopped_run(stopped_by, requeue=cfg.DIST.REQUEUE)
     if not stats:
         logger.info("nothing to do: %d epochs already done", progress.epoch)
         return stats
@@ -363,9 +395,40 @@ def train_epochs(
     return stats
 
 
+def evaluate_and_keep_best(
+    cfg: CfgNode,
+    state: TrainState,
+    loaders: tuple[DataLoader, DataLoader],
+    *,
+    trained: int,
+    train_peak: list[float],
+    ema: bool = False,
+) -> dict:
+    """Evaluate the weights the model holds after an epoch (the EMA's with
+    ``ema``), then log the evaluation and keep the best weights; its metrics.
+
+    ``loaders``: the training loader (for precise BN) and the validation one;
+    ``trained``: the epoch's samples; ``train_peak``: its training peak memory
+    per device (MiB).
+    """
+    stats, confusion, peaks = evaluate_epoch(
+        specs.run_eval_spec(cfg, state),
+        state,
+        *loaders,
+        precise_bn=cfg.TRAIN.PRECISE_BN,
+        train_peak=train_peak,
+    )
+    stats["train_samples"] = trained
+    precision = state.strategy.spec.precision
+    log, save = specs.log_spec(cfg), specs.save_spec(cfg, precision)
+    keep_best(log, save, state, stats, confusion, ema=ema, peaks=peaks)
+    return stats
+
+
 def log_hparams(cfg: CfgNode, state: TrainState, stats: dict) -> None:
     """The run's config beside its final scores, for tensorboard's HParams."""
-    hparams = {key: value for key, value in flat_cfg(cfg).items() if key != "OUT_DIR"}
+    params = specs.run_params(cfg, state.strategy.spec.precision)
+    hparams = {key: value for key, value in params.items() if key != "OUT_DIR"}
     final = {
         "hparam/best_top1": state.progress.best_top1,
         "hparam/top1": stats["top1"],
@@ -376,13 +439,36 @@ def log_hparams(cfg: CfgNode, state: TrainState, stats: dict) -> None:
     state.writer.hparams(hparams, final)
 
 
-def stopped(cfg: CfgNode, signum: int) -> dict:
-    """End a run that a signal stopped after saving (requeue it if asked)."""
-    name = signal.Signals(signum).name
-    logger.info("stopped by %s after saving a checkpoint", name)
-    if cfg.DIST.REQUEUE and du.is_main_process() and requeue_slurm_job():
-        logger.info("requeued the Slurm job: it resumes from the checkpoint")
-    # The first rank to exit (128+N) ends a --kill-on-bad-exit step: not
-    # before rank 0 has requeued.
-    du.barrier()
-    return {"stopped_by": signum}
+def evaluate_checkpoint(cfg: CfgNode) -> dict:
+    """Evaluate MODEL.WEIGHTS (or OUT_DIR/best.pth) on the validation set.
+
+    Rank 0 also writes the confusion matrix (CSV, PNG) and the per-class
+    accuracy (CSV) to OUT_DIR.  Returns the metrics, the confusion matrix,
+    the class names and the paths written.
+    """
+    with (
+        run_context(cfg) as (info, device),
+        Watchdog(cfg.DATA.TIMEOUT, info.rank) as watchdog,
+    ):
+        path = weights_to_evaluate(cfg.MODEL.WEIGHTS, cfg.OUT_DIR)
+        data = specs.data_spec(cfg)
+        val_set = build_dataset(data, train=False)
+        model = build_model(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES)
+        cp.load_model_weights(model, cp.load_file(path), path)
+        model.to(device)
+        loaders = specs.loader_spec(cfg)
+        loader = build_test_loader(loaders, val_set, info.rank, info.world_size, device)
+        loader = watchdog.watch(loader, "eval")
+        amp_dtype, _ = resolve_precision(specs.run_precision(cfg, device), device)
+        spec = specs.eval_spec(cfg, device, build_normalizer(data, device), amp_dtype)
+        stats, confusion = evaluate(model, loader, spec)
+        files = log_checkpoint_evaluation(
+            cfg.OUT_DIR,
+            path,
+            stats,
+            confusion,
+            classes=list(val_set.classes),
+            topk=spec.topk,
+            world_size=info.world_size,
+        )
+        return {**stats, "topk_k": spec.topk, "weights": path, "files": files}

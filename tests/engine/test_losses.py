@@ -3,6 +3,7 @@ training and resuming with them."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
@@ -20,6 +21,7 @@ from helpers import (
 
 from distribuuuu.config import get_cfg, load_cfg
 from distribuuuu.engine.losses import TrainLoss, build_mixer, build_train_loss, mix_seed
+from distribuuuu.engine.specs import loss_spec
 from distribuuuu.engine.trainer import train_model
 from distribuuuu.logger import setup_logging
 
@@ -33,7 +35,8 @@ def _batch(size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_defaults_are_plain_cross_entropy_bit_for_bit():
-    loss_fn = build_train_loss(get_cfg().TRAIN, NUM_CLASSES)
+    spec = dataclasses.replace(loss_spec(get_cfg()), num_classes=NUM_CLASSES)
+    loss_fn = build_train_loss(spec)
     images, labels = _batch()
     mixed, hard, soft = loss_fn.mix(images, labels, seed=3)
     assert mixed is images and hard is labels and soft is labels

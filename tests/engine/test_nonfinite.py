@@ -20,11 +20,13 @@ from torch.distributed.fsdp import fully_shard
 from distribuuuu import checkpoint as cp
 from distribuuuu.config import load_cfg
 from distribuuuu.engine import trainer
-from distribuuuu.engine.evaluation import keep_best
-from distribuuuu.engine.numerics import NonFiniteError, all_finite
+from distribuuuu.engine.best import keep_best
+from distribuuuu.engine.numerics import all_finite
 from distribuuuu.engine.resume import save_training_checkpoint
 from distribuuuu.engine.run_log import stop_on_nonfinite_loss
 from distribuuuu.engine.session import run_context
+from distribuuuu.engine.specs import log_spec, save_spec
+from distribuuuu.errors import NonFiniteError
 from distribuuuu.models import build_model
 from distribuuuu.reporting.writer import MetricsWriter
 
@@ -191,12 +193,13 @@ def test_all_finite_agrees_over_ranks_when_one_shard_is_nan(tmp_path):
 
 @contextlib.contextmanager
 def _run_state(out: Path, *extra: str):
-    """The config and TrainState of a TINY run into ``out`` (nothing trained)."""
+    """The log and save specs and the TrainState of a TINY run into ``out``
+    (nothing trained)."""
     cfg = load_cfg(None, [*TINY, *extra, "OUT_DIR", str(out)])
     with run_context(cfg) as (info, device):
         writer = MetricsWriter(cfg.OUT_DIR, enabled=False)
         run, _, _ = trainer.build_train_state(cfg, info, device, writer)
-        yield cfg, run
+        yield log_spec(cfg), save_spec(cfg), run
 
 
 def _eval_stats(top1: float) -> tuple[dict, torch.Tensor]:
@@ -206,31 +209,31 @@ def _eval_stats(top1: float) -> tuple[dict, torch.Tensor]:
 
 def test_nonfinite_weights_never_count_as_best(tmp_path):
     best = tmp_path / cp.BEST_WEIGHTS
-    with _run_state(tmp_path) as (cfg, run):
+    with _run_state(tmp_path) as (log, save, run):
         run.progress.epoch = 1
-        keep_best(cfg, run, *_eval_stats(50.0))
+        keep_best(log, save, run, *_eval_stats(50.0))
         saved = best.read_bytes()  # finite weights: the best so far
         _poison(next(run.model.parameters()))
         run.progress.epoch = 2
         with pytest.raises(NonFiniteError, match="weights evaluated after epoch 2"):
-            keep_best(cfg, run, *_eval_stats(60.0))
+            keep_best(log, save, run, *_eval_stats(60.0))
         assert run.progress.best_top1 == 50.0
         assert best.read_bytes() == saved
         with pytest.raises(NonFiniteError, match="by the end of epoch 2"):
-            save_training_checkpoint(cfg, run)
+            save_training_checkpoint(save, run)
     assert not (tmp_path / cp.CHECKPOINT_DIR).exists()
 
 
 def test_a_nonfinite_ema_is_neither_best_nor_saved(tmp_path):
-    with _run_state(tmp_path, "MODEL.EMA", "True") as (cfg, run):
+    with _run_state(tmp_path, "MODEL.EMA", "True") as (log, save, run):
         run.progress.epoch, run.progress.consumed = 0, 64  # after 2 steps
         _poison(next(iter(run.ema.tensors().values())), math.inf)
         assert all_finite(run.model.parameters())  # the raw weights are fine
         with pytest.raises(NonFiniteError, match="by epoch 1, iteration 2"):
-            save_training_checkpoint(cfg, run)
+            save_training_checkpoint(save, run)
         run.progress.epoch = 1
         with run.ema.swapped_in(), pytest.raises(NonFiniteError, match="EMA"):
-            keep_best(cfg, run, *_eval_stats(50.0), ema=True)
+            keep_best(log, save, run, *_eval_stats(50.0), ema=True)
         assert run.progress.best_ema_top1 == -1.0
     assert not (tmp_path / cp.BEST_EMA_WEIGHTS).exists()
     assert not (tmp_path / cp.CHECKPOINT_DIR).exists()
@@ -241,7 +244,7 @@ def test_with_a_grad_scaler_a_nonfinite_loss_is_fatal_only_with_nonfinite_weight
 ):
     # fp16 loss scaling (CUDA only in a run; a CPU GradScaler behaves alike):
     # a step with overflowing gradients is skipped and the weights stay finite.
-    with _run_state(tmp_path) as (_, run):
+    with _run_state(tmp_path) as (_, _, run):
         run.scaler = torch.amp.GradScaler("cpu")
         window = {"loss": math.inf, "samples": 64}  # 2 steps of 32
         stop_on_nonfinite_loss(run, window, step=3)  # a warning, no error

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from distribuuuu.config import load_cfg
 from distribuuuu.dist import group as du
 from distribuuuu.engine.loop import train_epoch
+from distribuuuu.engine.specs import loop_spec
 from distribuuuu.engine.trainer import build_train_state
 from distribuuuu.reporting.writer import MetricsWriter
 
@@ -55,7 +56,7 @@ def test_train_epoch_equals_a_plain_loop(tmp_path, name):
         return step(state, micro, meter, loss_fn)
 
     state.strategy.train_step = recording
-    train_epoch(state, loader, cfg, after_step=lambda: len(seen) == STEPS)
+    train_epoch(state, loader, loop_spec(cfg), after_step=lambda: len(seen) == STEPS)
     assert len(seen) == STEPS
     assert len({lr for _, _, lr in seen}) > 1  # warmup: the rate moved
     optimizer = _plain_optimizer(name, plain.parameters(), cfg)

@@ -70,9 +70,10 @@ def test_bad_tta_is_refused(tmp_path, keys, words):
 def test_crop_views_come_from_the_square_of_the_resize():
     from distribuuuu.config import load_cfg
     from distribuuuu.data import build_dataset
+    from distribuuuu.engine.specs import data_spec
 
     keys = ["TEST.TTA", "ten_crop", "TEST.IM_SIZE", "32"]
-    image, _ = build_dataset(load_cfg(None, keys), train=False)[0]
+    image, _ = build_dataset(data_spec(load_cfg(None, keys)), train=False)[0]
     assert image.shape == (3, 32, 32)  # cropped to 28 on the device
 
 

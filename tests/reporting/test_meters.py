@@ -13,6 +13,7 @@ from torch import nn
 from distribuuuu.config import load_cfg
 from distribuuuu.engine import evaluation, trainer
 from distribuuuu.engine.run_log import format_scaling, throughput, watch_data_time
+from distribuuuu.engine.specs import log_spec, strategy_spec
 from distribuuuu.logger import setup_logging
 from distribuuuu.reporting.meters import DataBoundWatch, PeakMemory
 from distribuuuu.strategies.dp import DataParallelStrategy
@@ -37,7 +38,7 @@ def test_rank0_warns_with_the_knobs_to_turn(caplog):
     run = SimpleNamespace(data_watch=DataBoundWatch())
     with caplog.at_level(logging.WARNING, logger="distribuuuu"):
         for _ in range(6):
-            watch_data_time(cfg, run, 0.05, 0.1)
+            watch_data_time(log_spec(cfg), run, 0.05, 0.1)
     (record,) = caplog.records
     message = record.getMessage()
     assert "data-bound" in message and "50%" in message
@@ -46,14 +47,14 @@ def test_rank0_warns_with_the_knobs_to_turn(caplog):
 
 def test_throughput_per_rank_and_scaling_efficiency():
     cfg = load_cfg(None, ["TRAIN.SINGLE_PROCESS_IMG_PER_S", "100"])
-    one = throughput(cfg, 1, 500, 2.0)
+    one = throughput(log_spec(cfg), 1, 500, 2.0)
     assert one == {"img_per_s": 250.0, "img_per_s_per_rank": 250.0, "world_size": 1}
     assert format_scaling(one) == ""
-    four = throughput(cfg, 4, 600, 2.0)  # 300 img/s on 4 x 100: 75%
+    four = throughput(log_spec(cfg), 4, 600, 2.0)  # 300 img/s on 4 x 100: 75%
     assert four["img_per_s_per_rank"] == 75.0
     assert four["scaling_efficiency"] == 0.75
     assert format_scaling(four) == " (75/rank, scaling eff. 75%)"
-    unknown = throughput(load_cfg(), 2, 600, 2.0)
+    unknown = throughput(log_spec(load_cfg()), 2, 600, 2.0)
     assert "scaling_efficiency" not in unknown
     assert format_scaling(unknown) == " (150/rank)"
 
@@ -86,7 +87,8 @@ def test_peak_memory_is_reset_and_read_on_every_data_parallel_gpu(monkeypatch):
     model.device_ids = [0, 1]  # as on a machine with two GPUs
 
     def model_devices(model, device):
-        return DataParallelStrategy(load_cfg(), device).devices(model)
+        spec = strategy_spec(load_cfg(), device)
+        return DataParallelStrategy(spec).devices(model)
 
     devices = model_devices(model, torch.device("cuda", 0))
     assert devices == [torch.device("cuda", 0), torch.device("cuda", 1)]

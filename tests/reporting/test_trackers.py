@@ -39,8 +39,8 @@ mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
 
 from distribuuuu.config import dump_cfg, flat_cfg, get_cfg  # noqa: E402
-from distribuuuu.engine.resume import save_best_weights  # noqa: E402
-from distribuuuu.engine.specs import tracker_spec  # noqa: E402
+from distribuuuu.engine.best import save_best_weights  # noqa: E402
+from distribuuuu.engine.specs import save_spec, tracker_spec  # noqa: E402
 from distribuuuu.reporting.remote_trackers import MlflowTracker, WandbTracker  # noqa: E402
 from distribuuuu.reporting.writer import MetricsWriter  # noqa: E402
 
@@ -367,7 +367,7 @@ def _best_weights_saved(cfg, writer: MetricsWriter, name: str) -> None:
     progress = SimpleNamespace(epoch=1)
     state = SimpleNamespace(strategy=strategy, model=None, progress=progress,
                             classes=["a", "b"], writer=writer)  # fmt: skip
-    save_best_weights(cfg, state, 50.0, name)
+    save_best_weights(save_spec(cfg), state, 50.0, name)
 
 
 @pytest.mark.parametrize("tracker", ["mlflow", "wandb"])
