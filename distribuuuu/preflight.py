@@ -16,6 +16,7 @@ need them, so that a run refused early starts fast.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import os
 import tempfile
@@ -104,7 +105,7 @@ def check_launch(cfg: CfgNode, num_procs: int = 1) -> None:
     try:
         info = detect_launch()
         on_gpus = cfg.DEVICE != "cpu" and torch.cuda.is_available()
-        if on_gpus and strategy_class(cfg).one_device_per_process:
+        if on_gpus and strategy_class(cfg.DIST.STRATEGY).one_device_per_process:
             local_world = num_procs if num_procs > 1 else info.local_world_size
             visible = torch.cuda.device_count()
             gpu_index(info.local_rank, local_world, visible, info.node_gpus)
@@ -115,13 +116,45 @@ def check_launch(cfg: CfgNode, num_procs: int = 1) -> None:
 def check_layout(cfg: CfgNode, world_size: int) -> None:
     """Refuse a way of spreading the model that cannot work on ``world_size``
     processes (a pipeline that cannot be cut as asked); raise ConfigError."""
-    from distribuuuu.strategies import strategy_class
+    import torch
+
+    from distribuuuu.engine.specs import strategy_spec
+    from distribuuuu.strategies.chain import check_layout as check_steps
 
     def skeleton() -> nn.Module:
         return _model_skeleton(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES)
 
+    on_gpu = cfg.DEVICE != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda:0" if on_gpu else "cpu")  # as a rank will pick
     try:
-        strategy_class(cfg).check_layout(cfg, world_size, skeleton)
+        check_steps(strategy_spec(cfg, device), world_size, skeleton)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def check_strategy(cfg: CfgNode) -> None:
+    """Refuse what the chosen strategy (and tensor parallelism) does not
+    take, as its class declares it; raise ConfigError."""
+    from distribuuuu.config.keys import get_key
+    from distribuuuu.engine.specs import strategy_spec
+    from distribuuuu.strategies import spec as features
+    from distribuuuu.strategies.chain import check_choices as check_steps
+
+    switches = {  # feature -> the key that turns it on, and when it is on
+        features.SYNCBN: ("MODEL.SYNCBN", bool),
+        features.PRECISE_BN: ("TRAIN.PRECISE_BN", bool),
+        features.LAYER_DECAY: ("OPTIM.LAYER_DECAY", lambda value: value != 1),
+        features.EMA: ("MODEL.EMA", bool),
+        features.FP16: ("TRAIN.MIXED_PRECISION", lambda value: value == "fp16"),
+        features.DISTILLATION: ("TRAIN.DISTILL.ARCH", bool),
+    }
+    turned_on = {
+        feature: (key, get_key(cfg, key))
+        for feature, (key, is_on) in switches.items()
+        if is_on(get_key(cfg, key))
+    }
+    try:
+        check_steps(strategy_spec(cfg), turned_on)
     except ValueError as error:
         raise ConfigError(str(error)) from error
 
@@ -161,11 +194,12 @@ def check_input_size(cfg: CfgNode) -> None:
 
 def check_choices(cfg: CfgNode) -> None:
     """What config/ cannot check, since the registries sit above it: the
-    models named exist and fit the input."""
+    models named exist and fit the input; the strategy takes what is asked."""
     check_arch("MODEL.ARCH", cfg.MODEL.ARCH)
     if cfg.TRAIN.DISTILL.ARCH:
         check_arch("TRAIN.DISTILL.ARCH", cfg.TRAIN.DISTILL.ARCH)
     check_input_size(cfg)
+    check_strategy(cfg)
 
 
 def load_checked_cfg(
@@ -182,6 +216,7 @@ def check_model(cfg: CfgNode) -> None:
     """Refuse a model key that the model has nothing for; raise ConfigError."""
     import torch
 
+    from distribuuuu.engine.specs import model_spec
     from distribuuuu.models import build_configured, zero_init_residual
     from distribuuuu.models.layers import layer_ids
 
@@ -190,12 +225,11 @@ def check_model(cfg: CfgNode) -> None:
     layered = cfg.OPTIM.LAYER_DECAY < 1
     if not (keys.ZERO_INIT_RESIDUAL or layered or max(values) >= 0):
         return
-    model_cfg = cfg.clone()
-    model_cfg.defrost()
-    model_cfg.MODEL.PRETRAINED = False  # the layers are there without the weights
+    # The layers are there without the weights.
+    spec = dataclasses.replace(model_spec(cfg), pretrained=False)
     try:
         with torch.device("meta"):
-            model = build_configured(model_cfg.MODEL)
+            model = build_configured(spec)
     except ValueError as error:
         raise ConfigError(str(error)) from error
     if layered and layer_ids(model) is None:
@@ -260,6 +294,16 @@ def check_batch_fits(cfg: CfgNode, world_size: int) -> None:
         )
 
 
+def _replicas(cfg: CfgNode, world_size: int) -> int:
+    """The data-parallel replicas (the readers of the data) of ``world_size``
+    processes under the run's strategy."""
+    from distribuuuu.engine.specs import strategy_spec
+    from distribuuuu.strategies import strategy_class
+
+    spec = strategy_spec(cfg)
+    return strategy_class(spec.name).replicas(spec, world_size)
+
+
 def _checkpoints_in(out_dir: str) -> tuple[list[str], list[str]]:
     """The training checkpoints and best weights in ``out_dir``."""
     from distribuuuu import checkpoint as cp
@@ -285,16 +329,15 @@ def check_inputs(
     :func:`check_training_out_dir` checks with ``world_size`` processes.
     """
     from distribuuuu.data import check_data
+    from distribuuuu.engine.specs import data_spec
     from distribuuuu.errors import DataError
 
     check_out_dir_path(cfg.OUT_DIR)
     try:
         readers = None
         if cfg.DATA.NAME == "webdataset" and not eval_only:
-            from distribuuuu.strategies import strategy_class
-
-            readers = strategy_class(cfg).replicas(cfg, world_size)
-        check_data(cfg, readers)
+            readers = _replicas(cfg, world_size)
+        check_data(data_spec(cfg), readers, workers=cfg.TRAIN.WORKERS)
     except DataError as error:
         raise ConfigError(str(error)) from error
     if cfg.MODEL.WEIGHTS:
@@ -321,10 +364,7 @@ def check_training_out_dir(
     of an earlier run in it; raise ConfigError."""
     checkpoints, _ = _checkpoints_in(cfg.OUT_DIR)
     if not (checkpoints and cfg.TRAIN.AUTO_RESUME):
-        from distribuuuu.strategies import strategy_class
-
-        replicas = strategy_class(cfg).replicas(cfg, world_size)
-        check_batch_fits(cfg, replicas)
+        check_batch_fits(cfg, _replicas(cfg, world_size))
     created = _missing_dirs(cfg.OUT_DIR)
     check_out_dir(cfg.OUT_DIR, keep)
     # The lock before the checks that read the checkpoints in OUT_DIR: none

@@ -241,13 +241,15 @@ def strategy_for(name: str, syncbn: bool = False, device="cpu", amp_dtype=None, 
     """The strategy ``DIST.STRATEGY name`` of the default config on ``device``
     (``keys``: more DIST values, e.g. ``FSDP_CPU_OFFLOAD=True``)."""
     from distribuuuu.config import get_cfg
+    from distribuuuu.engine.specs import strategy_spec
     from distribuuuu.strategies import build_strategy
 
     cfg = get_cfg()
     cfg.DIST.STRATEGY, cfg.MODEL.SYNCBN = name, syncbn
     for key, value in keys.items():
         setattr(cfg.DIST, key, value)
-    return build_strategy(cfg, torch.device(device), amp_dtype)
+    spec = strategy_spec(cfg, torch.device(device), amp_dtype=amp_dtype)
+    return build_strategy(spec)
 
 
 def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:

@@ -62,9 +62,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.config import load_cfg
+from distribuuuu.engine.specs import strategy_spec
 from distribuuuu.models import build_model, vit
 from distribuuuu.reporting.meters import MetricSums
 from distribuuuu.strategies import base, build_strategy, dp, pipeline
+from distribuuuu.strategies.chain import split_tensors, wrap
 
 WORLD_SIZE = 4
 META = torch.device("meta")
@@ -221,9 +223,9 @@ def _run_turn(audit, layout, rank: int, phases, tmp_path, monkeypatch, shapes):
     with fake_rank(rank, WORLD_SIZE):
         audit.begin_turn()
         cfg = load_cfg(opts=["MODEL.ARCH", layout.arch, *layout.keys])
-        strategy = build_strategy(cfg, META)
+        strategy = build_strategy(strategy_spec(cfg, META))
         audit.phase = "prepare"
-        model = strategy.prepare_model(_model(layout.arch))
+        model = wrap(strategy, split_tensors(strategy, _model(layout.arch)))
         optimizer = strategy.build_optimizer(model)
         if isinstance(model, DistributedDataParallel):
             model.register_comm_hook(None, _all_reduce_at_once)
@@ -394,7 +396,7 @@ def test_strategies_meta_cannot_host_hand_over_the_training_device(row, monkeypa
     cfg = load_cfg(
         opts=["DIST.STRATEGY", row.strategy, "TRAIN.MIXED_PRECISION", "none"]
     )
-    strategy = build_strategy(cfg, device)
+    strategy = build_strategy(strategy_spec(cfg, device))
     model = GpuShyLinear()
     if row.strategy == "deepspeed":
         with fake_rank(1, WORLD_SIZE):  # DeepSpeed's collectives are its own

@@ -34,6 +34,7 @@ from distribuuuu.config import get_cfg
 from distribuuuu.dist import group as du
 from distribuuuu.dist.spawn import spawn
 from distribuuuu.engine import session
+from distribuuuu.errors import DistributedSetupError, LaunchError
 from distribuuuu.strategies import precision
 from distribuuuu.strategies.dp import AutocastDataParallel
 
@@ -253,7 +254,7 @@ _SRUN_8 = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0",
 )
 def test_gpu_index(local_rank, local_world, visible, node_gpus, expected):
     if expected is None:
-        with pytest.raises(du.LaunchError, match=f"{visible} GPUs are visible"):
+        with pytest.raises(LaunchError, match=f"{visible} GPUs are visible"):
             du.gpu_index(local_rank, local_world, visible, node_gpus)
     else:
         assert du.gpu_index(local_rank, local_world, visible, node_gpus) == expected
@@ -373,8 +374,10 @@ def test_cudnn_flags_of_a_gpu_run(
     with session.run_context(cfg, log_files=False):
         flags = torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic
     assert flags == expected
-    assert cfg.TRAIN.MIXED_PRECISION == "bf16" and asked == [torch.device("cuda", 0)]
-    said = "CUDNN.BENCHMARK turned off" in capsys.readouterr().out
+    out = capsys.readouterr().out  # the run's precision: auto resolved, logged
+    resolved = "TRAIN.MIXED_PRECISION auto on cuda:0: bf16" in out
+    assert resolved and asked == [torch.device("cuda", 0)]
+    said = "CUDNN.BENCHMARK turned off" in out
     assert said == (benchmark and deterministic)
 
 
@@ -390,7 +393,7 @@ def _side_group(rank: int, world: int, interface: str) -> dict:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
     try:
         du._join_control_group(rank, 10)
-    except du.DistributedSetupError as error:
+    except DistributedSetupError as error:
         return {"error": str(error)}
     finally:
         dist.get_backend_config = real
@@ -426,7 +429,7 @@ def _setup_with_a_failing_side_group(out_dir: str) -> None:
     try:
         du.setup_distributed("", "cpu", 10)
         seen = {"error": None}
-    except du.DistributedSetupError as error:
+    except DistributedSetupError as error:
         seen = {"error": str(error)}
     seen["group_left"] = not dist.is_initialized()
     rank = os.environ["RANK"]

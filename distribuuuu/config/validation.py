@@ -104,100 +104,14 @@ def _translate_dist_mode(cfg: CfgNode) -> None:
 
 
 def _validate_dist(cfg: CfgNode) -> None:
-    """DIST: the deprecated DIST.MODE dp translated; what fsdp does not support."""
+    """DIST: the deprecated DIST.MODE dp translated; sequence parallelism
+    within tensor parallelism (what a strategy takes is pre-flight's)."""
     _translate_dist_mode(cfg)
-    if cfg.DIST.STRATEGY == "fsdp":
-        _check(
-            not cfg.MODEL.SYNCBN,
-            "MODEL.SYNCBN",
-            True,
-            "is not supported with DIST.STRATEGY fsdp",
-        )
-        _check(
-            cfg.TRAIN.MIXED_PRECISION != "fp16",
-            "TRAIN.MIXED_PRECISION",
-            "fp16",
-            "is not supported with DIST.STRATEGY fsdp; use bf16",
-        )
-    if cfg.DIST.STRATEGY == "pipeline":
-        _validate_pipeline(cfg)
-    if cfg.DIST.STRATEGY == "deepspeed":
-        _validate_deepspeed(cfg)
     _check(
         not cfg.DIST.SEQUENCE_PARALLEL or cfg.DIST.TENSOR_PARALLEL > 1,
         "DIST.SEQUENCE_PARALLEL",
         True,
         "needs DIST.TENSOR_PARALLEL > 1",
-    )
-    if cfg.DIST.TENSOR_PARALLEL > 1:
-        _check(
-            cfg.DIST.STRATEGY in ("ddp", "fsdp"),
-            "DIST.STRATEGY",
-            cfg.DIST.STRATEGY,
-            "cannot be combined with DIST.TENSOR_PARALLEL > 1: choose ddp or fsdp "
-            "over the replicas",
-        )
-        _check(
-            cfg.TRAIN.MIXED_PRECISION != "fp16",
-            "TRAIN.MIXED_PRECISION",
-            "fp16",
-            "is not supported with DIST.TENSOR_PARALLEL; use bf16",
-        )
-
-
-def _unsupported(cfg: CfgNode, keys: tuple[str, ...], what: str) -> None:
-    """Refuse any of ``keys`` that is on (true or non-zero) with ``what``."""
-    for key in keys:
-        _check(
-            not get_key(cfg, key),
-            key,
-            get_key(cfg, key),
-            f"is not supported with {what}",
-        )
-
-
-def _validate_pipeline(cfg: CfgNode) -> None:
-    """DIST.PIPELINE: micro-batches that fill the schedule and split the batch;
-    what the pipeline does not support."""
-    pipe = cfg.DIST.PIPELINE
-    micro = pipe.MICROBATCHES or 2 * pipe.STAGES
-    if pipe.SCHEDULE != "gpipe":
-        _check(
-            micro >= pipe.STAGES,
-            "DIST.PIPELINE.MICROBATCHES",
-            micro,
-            f"must be >= DIST.PIPELINE.STAGES {pipe.STAGES} under {pipe.SCHEDULE} "
-            "(every stage needs a micro-batch in flight)",
-        )
-    if pipe.SCHEDULE == "interleaved_1f1b":
-        _check(
-            micro % pipe.STAGES == 0,
-            "DIST.PIPELINE.MICROBATCHES",
-            micro,
-            f"must be a multiple of DIST.PIPELINE.STAGES {pipe.STAGES} under "
-            "interleaved_1f1b",
-        )
-    _check(
-        cfg.TRAIN.BATCH_SIZE % micro == 0,
-        "TRAIN.BATCH_SIZE",
-        cfg.TRAIN.BATCH_SIZE,
-        f"must be a multiple of the {micro} pipeline micro-batches "
-        "(DIST.PIPELINE.MICROBATCHES)",
-    )
-    keys = ("MODEL.SYNCBN", "TRAIN.PRECISE_BN")
-    _unsupported(cfg, keys, "DIST.STRATEGY pipeline")
-    _check(
-        cfg.OPTIM.LAYER_DECAY == 1,
-        "OPTIM.LAYER_DECAY",
-        cfg.OPTIM.LAYER_DECAY,
-        "is not supported with DIST.STRATEGY pipeline",
-    )
-    _check(
-        cfg.TRAIN.MIXED_PRECISION != "fp16",
-        "TRAIN.MIXED_PRECISION",
-        "fp16",
-        "is not supported with DIST.STRATEGY pipeline (the stages would have to "
-        "agree on every skipped step); use bf16",
     )
 
 
@@ -226,22 +140,8 @@ def _validate_test(cfg: CfgNode) -> None:
     )
 
 
-def _validate_compile(cfg: CfgNode) -> None:
-    """MODEL.COMPILE: the strategies whose model is one module it compiles."""
-    if cfg.MODEL.COMPILE:
-        _check(
-            cfg.DIST.STRATEGY in ("ddp", "zero1", "fsdp")
-            and cfg.DIST.TENSOR_PARALLEL == 1,
-            "MODEL.COMPILE",
-            True,
-            f"is supported with DIST.STRATEGY ddp, zero1 and fsdp, not "
-            f"{cfg.DIST.STRATEGY} (or tensor parallelism)",
-        )
-
-
 def _validate_distill(cfg: CfgNode) -> None:
-    """TRAIN.DISTILL: a teacher's architecture with its weights; a strategy
-    whose step sees the images."""
+    """TRAIN.DISTILL: a teacher's architecture with its weights."""
     distill = cfg.TRAIN.DISTILL
     if not (distill.ARCH or distill.WEIGHTS):
         return
@@ -251,13 +151,6 @@ def _validate_distill(cfg: CfgNode) -> None:
             f"TRAIN.DISTILL.WEIGHTS: no such file {distill.WEIGHTS!r} (the "
             "teacher's trained weights)"
         )
-    _check(
-        cfg.DIST.STRATEGY != "pipeline",
-        "TRAIN.DISTILL.ARCH",
-        distill.ARCH,
-        "is not supported with DIST.STRATEGY pipeline (its last stage, which "
-        "computes the loss, never sees the images)",
-    )
 
 
 def _validate_model(cfg: CfgNode) -> None:
@@ -360,34 +253,6 @@ def _validate_gpu_decoder(cfg: CfgNode, name: str) -> None:
     _check(erasing == 0, "DATA.RANDOM_ERASING", erasing, why)
 
 
-def _validate_deepspeed(cfg: CfgNode) -> None:
-    """DIST.DEEPSPEED: what ZeRO stages 1 and 2 do not offload; what stage 3's
-    partitioned parameters do not support."""
-    ds = cfg.DIST.DEEPSPEED
-    _check(
-        ds.OFFLOAD_PARAMS == "none" or ds.ZERO_STAGE == 3,
-        "DIST.DEEPSPEED.OFFLOAD_PARAMS",
-        ds.OFFLOAD_PARAMS,
-        f"needs DIST.DEEPSPEED.ZERO_STAGE 3 (not {ds.ZERO_STAGE}): only stage 3 "
-        "partitions the parameters",
-    )
-    _check(
-        cfg.TRAIN.MIXED_PRECISION != "fp16",
-        "TRAIN.MIXED_PRECISION",
-        "fp16",
-        "is not supported with DIST.STRATEGY deepspeed (under autocast, DeepSpeed "
-        "0.19's ZeRO skips steps on loss-scaled gradients, never lowering the "
-        "scale); use bf16",
-    )
-    if ds.ZERO_STAGE == 3:
-        _unsupported(
-            cfg,
-            ("MODEL.EMA", "MODEL.SYNCBN", "TRAIN.PRECISE_BN"),
-            "DIST.DEEPSPEED.ZERO_STAGE 3 (the parameters are partitioned); use "
-            "stage 1 or 2",
-        )
-
-
 def _validate_log(cfg: CfgNode) -> None:
     """LOG.TRACKERS: known trackers, each once."""
     trackers = cfg.LOG.TRACKERS
@@ -405,6 +270,5 @@ def validate_cfg(cfg: CfgNode) -> None:
     _validate_test(cfg)
     _validate_model(cfg)
     _validate_distill(cfg)
-    _validate_compile(cfg)
     _validate_data(cfg)
     _validate_log(cfg)

@@ -15,9 +15,9 @@ from yacs.config import CfgNode
 from distribuuuu.data.worker_server import start_worker_server
 from distribuuuu.dist import group as du
 from distribuuuu.engine.run_lock import agree_out_dir_free
+from distribuuuu.engine.specs import run_precision, strategy_spec
 from distribuuuu.logger import setup_logging
 from distribuuuu.strategies import strategy_class
-from distribuuuu.strategies.precision import resolve_auto_precision
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,9 @@ def resolve_seed(seed: int | None) -> int:
 def run_context(
     cfg: CfgNode, log_files: bool = True
 ) -> Iterator[tuple[du.LaunchInfo, torch.device]]:
-    """Join the process group, set up logging and cuDNN, resolve
-    TRAIN.MIXED_PRECISION auto in ``cfg`` for the device; leave the group at exit.
+    """Join the process group, set up logging and cuDNN, log what
+    TRAIN.MIXED_PRECISION auto stands for on the device (the config keeps
+    ``auto``: see ``specs.run_precision``); leave the group at exit.
 
     Without ``log_files`` nothing is written to OUT_DIR (console only).
     """
@@ -51,7 +52,8 @@ def run_context(
         # cuBLAS needs this before its first use to be deterministic.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    host_collectives = strategy_class(cfg).cpu_collectives(cfg)
+    spec = strategy_spec(cfg)
+    host_collectives = strategy_class(spec.name).cpu_collectives(spec)
     info, device = du.setup_distributed(
         cfg.DIST.BACKEND,
         cfg.DEVICE,
@@ -75,7 +77,9 @@ def run_context(
             if du.is_distributed()
             else "",
         )
-        resolve_auto_precision(cfg, device)
+        if cfg.TRAIN.MIXED_PRECISION == "auto":
+            precision = run_precision(cfg, device)
+            logger.info("TRAIN.MIXED_PRECISION auto on %s: %s", device, precision)
         yield info, device
     finally:
         du.cleanup_distributed()

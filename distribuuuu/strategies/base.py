@@ -11,22 +11,32 @@ these methods, never ``isinstance`` on a wrapper.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.checkpoint.format import EMA, MODEL, OPTIMIZER, SavedRun
 from distribuuuu.dist import group as du
 from distribuuuu.models.wrappers import unwrap_model
-from distribuuuu.optim import build as optim
 from distribuuuu.reporting import reports
+from distribuuuu.strategies.broadcast import broadcast_buffers
+from distribuuuu.strategies.mesh import ParallelDims, axis
+from distribuuuu.strategies.optimizer_keys import (
+    keyed_by_name,
+    own_groups_by_name,
+    parameter_names,
+    rekey_optimizer_state,
+)
 from distribuuuu.strategies.precision import autocast
+from distribuuuu.strategies.spec import StrategySpec
 
 if TYPE_CHECKING:  # imported for the annotations only
     from distribuuuu.engine.losses import TrainLoss
@@ -53,27 +63,6 @@ def check_current_device(device: torch.device, library: str) -> None:
             f"{library} made cuda:{current} the current device of this process, "
             f"not {device}, the one chosen for it"
         )
-
-
-def broadcast_buffers(model: nn.Module, src: int = 0) -> None:
-    """Copy rank ``src``'s buffers (BatchNorm running statistics) to every rank.
-
-    After the last training step each rank has updated its running statistics
-    with its own batch; evaluating with rank 0's copy everywhere makes the
-    distributed evaluation equal to evaluating the saved checkpoint.
-    """
-    if du.is_distributed():
-        for buffer in unwrap_model(model).buffers():
-            torch.distributed.broadcast(buffer, src)
-
-
-def broadcast_model(model: nn.Module) -> None:
-    """Every rank's model made rank 0's (parameters and buffers), for a
-    strategy that cuts the model up itself after building it on each rank
-    from its own seed."""
-    if du.is_distributed():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            torch.distributed.broadcast(tensor.data, 0)
 
 
 def average_gradients(params: list[nn.Parameter], group, size: int) -> None:
@@ -160,52 +149,13 @@ def step_optimizer(
     return bool(stepped)
 
 
-def rekey_optimizer_state(state: dict, old: list, new: list) -> dict:
-    """An optimizer state_dict with its parameter keys ``old`` renamed ``new``."""
-    rename = dict(zip(old, new))
-    groups = [
-        {**group, "params": [rename[key] for key in group["params"]]}
-        for group in state["param_groups"]
-    ]
-    states = {rename[key]: value for key, value in state["state"].items()}
-    return {"state": states, "param_groups": groups}
-
-
-def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The names of ``optimizer``'s parameters in its order (groups flattened)."""
-    owner = {param: name for name, param in unwrap_model(model).named_parameters()}
-    return [owner[p] for group in optimizer.param_groups for p in group["params"]]
-
-
-def own_groups_by_name(
-    state: dict, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> dict:
-    """An optimizer state keyed by parameter name, cut and ordered to
-    ``optimizer``'s own groups (each with the saved hyper-parameters of its
-    first parameter): torch's ``load_state_dict`` pairs saved and current
-    parameters by position, so the saved order must be the optimizer's."""
-    saved_group = {n: g for g in state["param_groups"] for n in g["params"]}
-    names = iter(parameter_names(model, optimizer))
-    groups = []
-    for group in optimizer.param_groups:
-        own = [next(names) for _ in group["params"]]
-        groups.append({**saved_group[own[0]], "params": own})
-    saved = state["state"]
-    states = {n: saved[n] for g in groups for n in g["params"] if n in saved}
-    return {"state": states, "param_groups": groups}
-
-
-def keyed_by_name(state: dict) -> bool:
-    """Whether an optimizer state_dict keys its parameters by name (FSDP's)."""
-    saved = [key for group in state["param_groups"] for key in group["params"]]
-    return any(isinstance(key, str) for key in saved)
-
-
 class Strategy:
     """One way of spreading a model over devices and processes.
 
-    Built once per run from the config, this process's device and the
-    autocast dtype; every method takes the model it prepared.
+    Built once per run from its :class:`StrategySpec` (this process's device
+    and autocast dtype among it); every method takes the model it prepared.
+    The class attributes declare what the strategy takes, for pre-flight to
+    ask before a run starts.
     """
 
     name: ClassVar[str] = ""
@@ -214,59 +164,115 @@ class Strategy:
     # Each process drives one device (so a node needs a GPU per process);
     # False for a process that drives every GPU it sees.
     one_device_per_process: ClassVar[bool] = True
+    # Whether MODEL.COMPILE may compile the model (one module per process).
+    compiles: ClassVar[bool] = False
+    # Whether DIST.TENSOR_PARALLEL may split the blocks of its replicas.
+    takes_tensor_parallel: ClassVar[bool] = False
+    # Features it refuses (spec.SYNCBN, spec.FP16, ...) -> why, the end of
+    # pre-flight's "... is not supported with ..." (in the order checked).
+    refused: ClassVar[Mapping[str, str]] = {}
+    # Set by a layout of more axes than data parallelism: its groups.
+    dp_group: ProcessGroup | None = None
+    pp_group: ProcessGroup | None = None
 
-    def __init__(self, cfg: CfgNode, device: torch.device, amp_dtype=None):
-        self.cfg, self.device, self.amp_dtype = cfg, device, amp_dtype
+    def __init__(self, spec: StrategySpec):
+        self.spec, self.device, self.amp_dtype = spec, spec.device, spec.amp_dtype
+        self.tensor_parallel = None
+        if spec.tensor_parallel > 1:
+            from distribuuuu.strategies.tensor import TensorParallel
+
+            self.tensor_parallel = TensorParallel(spec)
+
+    # --- what it takes, asked before the run ----------------------------- #
+    @classmethod
+    def refusals(cls, spec: StrategySpec) -> Mapping[str, str]:
+        """The features refused under ``spec`` (see :attr:`refused`)."""
+        return cls.refused
 
     @classmethod
-    def cpu_collectives(cls, cfg: CfgNode) -> bool:
+    def check_config(cls, spec: StrategySpec) -> None:
+        """ValueError for a value of the strategy's own keys that cannot work
+        (checked when the config is loaded)."""
+
+    @classmethod
+    def cpu_collectives(cls, spec: StrategySpec) -> bool:
         """Whether collectives on host tensors need gloo beside nccl."""
         return False
 
     @classmethod
-    def replicas(cls, cfg: CfgNode, world_size: int) -> int:
+    def parallel_dims(cls, spec: StrategySpec, world_size: int) -> ParallelDims:
+        """``world_size`` processes on the axes of this strategy's layout."""
+        return ParallelDims(world_size, tp=spec.tensor_parallel)
+
+    @classmethod
+    def replicas(cls, spec: StrategySpec, world_size: int) -> int:
         """How many data-parallel replicas ``world_size`` processes form (each
         reads its own batches; the processes of one replica share them)."""
-        return world_size
+        return cls.parallel_dims(spec, world_size).dp
 
     @classmethod
     def check_layout(
-        cls, cfg: CfgNode, world_size: int, skeleton: Callable[[], nn.Module]
+        cls, spec: StrategySpec, world_size: int, skeleton: Callable[[], nn.Module]
     ) -> None:
         """Refuse (ValueError) a layout that cannot work, before the processes
         start; ``skeleton()`` builds the model without memory."""
 
     @classmethod
-    def write_config(cls, cfg: CfgNode, world_size: int) -> None:
+    def write_config(cls, spec: StrategySpec, world_size: int, out_dir: str) -> None:
         """Write the strategy's own config files beside config.yaml (rank 0)."""
+
+    # --- the layout ------------------------------------------------------ #
+    @functools.cached_property
+    def dims(self) -> ParallelDims:
+        """This run's processes on the strategy's axes."""
+        return self.parallel_dims(self.spec, du.get_world_size())
+
+    @functools.cached_property
+    def mesh(self) -> DeviceMesh:
+        """The run's one device mesh (built on first use: a collective)."""
+        return self.dims.build_mesh(self.device.type)
 
     def data_parallel(self) -> tuple[int, int]:
         """This process's replica and the number of replicas."""
-        world = du.get_world_size()
-        replicas = self.replicas(self.cfg, world)
+        world, replicas = du.get_world_size(), self.dims.dp
         return du.get_rank() // (world // replicas), replicas
 
     # --- the model and the optimizer ------------------------------------ #
+    def split_tensors(self, model: nn.Module) -> nn.Module:
+        """The chain's tensor-parallel step: ``model``'s blocks split over
+        the ``tp`` axis (on this process's device), where it is on."""
+        if self.tensor_parallel is None:
+            return model
+        self.dp_group = axis(self.mesh, "dp").get_group()
+        return self.tensor_parallel.apply(model, self.mesh)
+
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """``model`` on this process's device, wrapped or sharded for the run."""
+        """The chain's wrapping step: ``model`` on this process's device,
+        wrapped or sharded for the run."""
         return model.to(self.device)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The optimizer of OPTIM over the prepared ``model``."""
-        return optim.build_optimizer(model, self.cfg.OPTIM)
+        return self.spec.build_optimizer(model)
 
     def devices(self, model: nn.Module) -> list[torch.device]:
         """The devices this process's ``model`` runs on."""
         return [self.device]
 
+    def spread(self, model: nn.Module) -> bool:
+        """Whether ``model``'s weights are DTensors spread over the ranks (its
+        state then goes through DCP and torch's distributed state_dict API)."""
+        return any(isinstance(param, DTensor) for param in model.parameters())
+
     def forward_is_collective(self, model: nn.Module) -> bool:
-        """Whether every rank must run each forward pass (sharded weights)."""
-        return False
+        """Whether every rank must run each forward pass (spread weights)."""
+        return self.spread(model)
 
     def holds_outputs(self, model: nn.Module) -> bool:
-        """Whether this process's forward passes return the logits (a pipeline's
-        last stage does; its other stages return None), which count once."""
-        return True
+        """Whether this process's forward passes return the logits that count:
+        the ranks of a tensor-parallel group all get them, the first counts
+        (a pipeline's last stage holds them; its other stages return None)."""
+        return self.tensor_parallel is None or self.tensor_parallel.rank == 0
 
     def describe(self, model: nn.Module) -> str:
         """A few words for the start-up report."""
@@ -315,7 +321,7 @@ class Strategy:
                 state.scaler.scale(loss / accum).backward()
             meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
         self.reduce_gradients(model)
-        clip = self.cfg.OPTIM.CLIP_GRAD_NORM
+        clip = self.spec.clip_grad_norm
         check_skip = state.ema is not None
         return step_optimizer(model, state.optimizer, state.scaler, clip, check_skip)
 
@@ -340,8 +346,17 @@ class Strategy:
     # --- state in our checkpoint layout ---------------------------------- #
     def model_state_dict(self, model: nn.Module) -> dict:
         """The whole model's state_dict without wrapper prefixes (on rank 0 at
-        least; a collective where the weights are spread)."""
-        return unwrap_model(model).state_dict()
+        least; a collective where the weights are spread), in the keys of the
+        plain model."""
+        if not self.spread(model):
+            whole = unwrap_model(model).state_dict()
+        else:
+            from distribuuuu.strategies import spread
+
+            whole = spread.whole_model_state(model)
+        if self.tensor_parallel is not None:
+            whole = self.tensor_parallel.whole_keys(whole)
+        return whole
 
     def load_model_state(self, model: nn.Module, weights: dict, strict=True) -> None:
         """Load a whole state_dict (every rank passes it).
@@ -349,24 +364,46 @@ class Strategy:
         ``strict=False`` lets keys be missing (fine-tuning leaves out a new
         head); those keep their values.
         """
-        unwrap_model(model).load_state_dict(weights, strict=strict)
+        if self.tensor_parallel is not None:
+            weights = self.tensor_parallel.split_keys(weights)
+        if not self.spread(model):
+            unwrap_model(model).load_state_dict(weights, strict=strict)
+            return
+        from distribuuuu.strategies import spread
+
+        spread.load_whole_model_state(model, weights, strict)
 
     def optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict:
-        """The whole optimizer state (on rank 0 at least)."""
-        return optimizer.state_dict()
+        """The whole optimizer state (on rank 0 at least); keyed by parameter
+        name where the weights are spread (a collective)."""
+        if not self.spread(model):
+            return optimizer.state_dict()
+        from distribuuuu.strategies import spread
+
+        return spread.whole_optimizer_state(model, optimizer)
 
     def load_optimizer_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
     ) -> None:
         """Load a whole optimizer state (every rank passes it), keyed by
-        parameter index or, as FSDP saves it, by parameter name."""
-        if keyed_by_name(state):
-            state = own_groups_by_name(state, model, optimizer)
+        parameter index (as DDP and ZeRO save it) or by parameter name (as
+        FSDP does): renamed to what the model takes first."""
+        by_name = keyed_by_name(state)
+        if not self.spread(model):
+            if by_name:
+                state = own_groups_by_name(state, model, optimizer)
+                names = parameter_names(model, optimizer)
+                state = rekey_optimizer_state(state, names, list(range(len(names))))
+            optimizer.load_state_dict(state)
+            return
+        from distribuuuu.strategies import spread
+
+        if not by_name:
             names = parameter_names(model, optimizer)
-            state = rekey_optimizer_state(state, names, list(range(len(names))))
-        optimizer.load_state_dict(state)
+            state = rekey_optimizer_state(state, list(range(len(names))), names)
+        spread.load_whole_optimizer_state(model, optimizer, state)
 
     def save_weights(
         self,
@@ -378,9 +415,13 @@ class Strategy:
     ) -> dict:
         """The model, optimizer and EMA entries of training checkpoint ``name``.
 
-        Whole tensors, gathered where they are spread; a strategy whose ranks
-        write their own shards returns the entries that name them instead.
+        Whole tensors; where the weights are spread, every rank writes its
+        shards instead (nothing is gathered) and the entries name them.
         """
+        if self.spread(model):
+            from distribuuuu.strategies import spread
+
+            return spread.save_shards(model, optimizer, ema, out_dir, name)
         entries = {
             MODEL: self.model_state_dict(model),
             OPTIMIZER: self.optimizer_state_dict(model, optimizer),
@@ -396,8 +437,13 @@ class Strategy:
         saved: SavedRun,
         ema: ModelEma | None,
     ) -> bool:
-        """Load what :meth:`save_weights` wrote (a sharded checkpoint is read
-        whole); True if the checkpoint held an EMA to load into ``ema``."""
+        """Load what :meth:`save_weights` wrote (each rank reads its own
+        shards into spread weights; a sharded checkpoint is read whole
+        otherwise); True if the checkpoint held an EMA to load into ``ema``."""
+        if saved.is_sharded and self.spread(model):
+            from distribuuuu.strategies import spread
+
+            return spread.load_shards(model, optimizer, saved, ema)
         if saved.is_sharded:
             saved = SavedRun(saved.path, cp.load_full(saved.path))
         self.load_model_weights(model, saved.state, saved.path)
@@ -427,5 +473,7 @@ class Strategy:
         def load(whole: dict, strict: bool) -> None:
             self.load_model_state(model, whole, strict)
 
+        if self.tensor_parallel is not None:
+            weights = self.tensor_parallel.split_keys(cp.weights_in(weights))
         plain = self.plain_model(model)
         return cp.load_model_weights(plain, weights, path, load, finetune_classes)

@@ -32,22 +32,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib.util
 import json
 import logging
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
-from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.checkpoint.deepspeed_files import weights_only_loads
 from distribuuuu.checkpoint.format import EMA, MODEL, SavedRun, deepspeed_entries
 from distribuuuu.dist import group as du
-from distribuuuu.optim import build as optim
+from distribuuuu.errors import DamagedCheckpointError
 from distribuuuu.strategies.base import MicroBatch, Strategy, check_current_device
 from distribuuuu.strategies.ddp import convert_syncbn
 from distribuuuu.strategies.deepspeed_config import (
@@ -56,6 +56,17 @@ from distribuuuu.strategies.deepspeed_config import (
     run_config,
 )
 from distribuuuu.strategies.precision import autocast, resolve_auto_precision
+from distribuuuu.strategies.registry import register
+from distribuuuu.strategies.spec import (
+    EMA as EMA_FEATURE,
+)
+from distribuuuu.strategies.spec import (
+    FP16,
+    PRECISE_BN,
+    SYNCBN,
+    StrategySpec,
+    check_value,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,35 +144,60 @@ def release_shm_buffers() -> None:
         os.unlink(os.path.join("/dev/shm", name + str(du.get_rank())))
 
 
+@register
 class DeepSpeedStrategy(Strategy):
     """DeepSpeed's engine with ZeRO; our optimizer, schedule and checkpoints."""
 
     name = "deepspeed"
     supports_channels_last = False  # ZeRO flattens the parameters
+    refused = {
+        FP16: "DIST.STRATEGY deepspeed (under autocast, DeepSpeed 0.19's ZeRO "
+        "skips steps on loss-scaled gradients, never lowering the scale); use bf16"
+    }
+    # What stage 3's partitioned parameters do not support.
+    refused_by_stage_3 = dict.fromkeys(
+        (EMA_FEATURE, SYNCBN, PRECISE_BN),
+        "DIST.DEEPSPEED.ZERO_STAGE 3 (the parameters are partitioned); use stage "
+        "1 or 2",
+    )
 
     @classmethod
-    def check_layout(cls, cfg: CfgNode, world_size: int, skeleton) -> None:
+    def refusals(cls, spec: StrategySpec) -> Mapping[str, str]:
+        if spec.deepspeed.zero_stage != 3:
+            return cls.refused
+        return {**cls.refused, **cls.refused_by_stage_3}
+
+    @classmethod
+    def check_config(cls, spec: StrategySpec) -> None:
+        """What ZeRO stages 1 and 2 do not offload."""
+        ds = spec.deepspeed
+        check_value(ds.offload_params == "none" or ds.zero_stage == 3,
+                    "DIST.DEEPSPEED.OFFLOAD_PARAMS", ds.offload_params,
+                    f"needs DIST.DEEPSPEED.ZERO_STAGE 3 (not {ds.zero_stage}): "
+                    "only stage 3 partitions the parameters")  # fmt: skip
+
+    @classmethod
+    def check_layout(cls, spec: StrategySpec, world_size: int, skeleton) -> None:
         """DeepSpeed installed, the nvme path writable, a user's json readable
-        and in agreement with our keys."""
+        and in agreement with our keys (``auto`` resolved on ``spec.device``,
+        as the ranks will resolve it: never fp16, which DeepSpeed refuses)."""
         if not deepspeed_installed():
             raise ValueError(MISSING)
-        check_nvme(cfg)
-        if cfg.TRAIN.MIXED_PRECISION == "auto":  # as the ranks will resolve it
-            cfg = cfg.clone()
-            on_gpu = cfg.DEVICE != "cpu" and torch.cuda.is_available()
-            resolve_auto_precision(cfg, torch.device("cuda:0" if on_gpu else "cpu"))
-        run_config(cfg, world_size)
+        check_nvme(spec.deepspeed)
+        device = spec.device or torch.device("cpu")
+        precision = resolve_auto_precision(spec.precision, device, fp16_allowed=False)
+        run_config(dataclasses.replace(spec, precision=precision), world_size)
 
     @classmethod
-    def write_config(cls, cfg: CfgNode, world_size: int) -> None:
+    def write_config(cls, spec: StrategySpec, world_size: int, out_dir: str) -> None:
         """The engine's config, as ``OUT_DIR/ds_config.json``."""
-        text = json.dumps(run_config(cfg, world_size), indent=2, sort_keys=True)
-        path = os.path.join(cfg.OUT_DIR, DS_CONFIG_FILE)
+        text = json.dumps(run_config(spec, world_size), indent=2, sort_keys=True)
+        path = os.path.join(out_dir, DS_CONFIG_FILE)
         cp.atomic_write(path, lambda f: f.write(text.encode() + b"\n"))
 
     @property
     def stage(self) -> int:
-        return self.cfg.DIST.DEEPSPEED.ZERO_STAGE
+        return self.spec.deepspeed.zero_stage
 
     # --- the model and the optimizer ------------------------------------ #
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -173,15 +209,15 @@ class DeepSpeedStrategy(Strategy):
         )
         if self.device.type == "cpu" and hasattr(os, "getuid"):
             release_shm_buffers()
-        if self.cfg.MODEL.SYNCBN and du.is_distributed():
+        if self.spec.syncbn and du.is_distributed():
             model = convert_syncbn(model, self.device)
         # The shapes of the whole model, to check loaded weights against (ZeRO
         # stage 3 leaves the module's parameters empty), copied before the
         # move: the device never holds the model twice.
         self.skeleton = copy.deepcopy(model).to("meta")
         model = model.to(self.device)
-        optimizer = optim.build_optimizer(model, self.cfg.OPTIM)
-        config = run_config(self.cfg, du.get_world_size())
+        optimizer = self.spec.build_optimizer(model)
+        config = run_config(self.spec, du.get_world_size())
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config
         )
@@ -198,10 +234,10 @@ class DeepSpeedStrategy(Strategy):
         return self.stage == 3 and du.is_distributed()
 
     def describe(self, model: nn.Module) -> str:
-        ds = self.cfg.DIST.DEEPSPEED
+        ds = self.spec.deepspeed
         return (
             f"deepspeed ZeRO-{self.stage} (optimizer offload "
-            f"{ds.OFFLOAD_OPTIMIZER}, parameter offload {ds.OFFLOAD_PARAMS})"
+            f"{ds.offload_optimizer}, parameter offload {ds.offload_params})"
         )
 
     def memory_mb(self, model: nn.Module) -> dict:
@@ -216,11 +252,11 @@ class DeepSpeedStrategy(Strategy):
             partition = sum(t.numel() for t in zero.single_partition_of_fp32_groups)
         params = sum(t.numel() * t.element_size() for t in mine)
         grads = params if self.stage == 1 else partition * 4
-        per = optim.state_tensors(self.cfg.OPTIM)
+        per = self.spec.optimizer_state_tensors
         # The optimizer's fp32 partition of the weights, a copy beside the
         # module's (fp32) parameters, whatever the precision (autocast), except
         # where stage 3 steps the parameters' own partition in place.
-        copied = self.stage != 3 or self.cfg.DIST.DEEPSPEED.OFFLOAD_OPTIMIZER != "none"
+        copied = self.stage != 3 or self.spec.deepspeed.offload_optimizer != "none"
         masters = partition if copied else 0
         state = (partition * per + masters) * 4
         return {
@@ -350,7 +386,7 @@ class DeepSpeedStrategy(Strategy):
                 load_lr_scheduler_states=False,
             )
         if loaded is None:
-            raise cp.DamagedCheckpointError(f"{directory}: DeepSpeed did not load it")
+            raise DamagedCheckpointError(f"{directory}: DeepSpeed did not load it")
         if ema is None or not saved.has_ema:
             return False
         ema.load(saved.ema_tensors, saved.ema_counters)

@@ -25,7 +25,7 @@ import json
 import os
 from typing import Any
 
-from yacs.config import CfgNode
+from distribuuuu.strategies.spec import DeepSpeedSpec, StrategySpec
 
 # The largest ds_config.json read (a DeepSpeed config is a few KiB).
 MAX_JSON_BYTES = 1 << 20
@@ -64,8 +64,8 @@ def _precision(name: str) -> dict:
     strategies.  DeepSpeed's own bf16 and fp16 modes stay off: they cast the
     parameters but not the buffers (BatchNorm then meets bf16 weights beside
     fp32 running statistics and fails), and an EMA of bf16 parameters would be
-    kept in bf16, where a small step rounds away.  fp16 is refused (see
-    distribuuuu.config.validation): under torch autocast DeepSpeed 0.19.8's
+    kept in bf16, where a small step rounds away.  fp16 is refused (the
+    strategy declares it, pre-flight asks): under torch autocast DeepSpeed 0.19.8's
     ZeRO takes the norm of, clips and checks for overflow the gradients still
     scaled by the GradScaler, and skips an overflowing step without lowering
     the scale (on the CPU, ZeRO-2 skipped every step of a linear layer)."""
@@ -79,23 +79,23 @@ def _precision(name: str) -> dict:
     }
 
 
-def generated_config(cfg: CfgNode, world_size: int) -> dict:
+def generated_config(spec: StrategySpec, world_size: int) -> dict:
     """The DeepSpeed config that our keys give, for ``world_size`` processes."""
-    ds = cfg.DIST.DEEPSPEED
+    ds = spec.deepspeed
     # The offload sections are always there ("device": "none" when off), so
     # that a json turning one on contradicts the key that says off.
     zero = {
-        "stage": ds.ZERO_STAGE,
-        "offload_optimizer": _offload(ds.OFFLOAD_OPTIMIZER, ds.NVME_PATH),
-        "offload_param": _offload(ds.OFFLOAD_PARAMS, ds.NVME_PATH),
+        "stage": ds.zero_stage,
+        "offload_optimizer": _offload(ds.offload_optimizer, ds.nvme_path),
+        "offload_param": _offload(ds.offload_params, ds.nvme_path),
     }
-    micro, accum = cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.ACCUM_STEPS
+    micro, accum = spec.batch_size, spec.accum_steps
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "train_batch_size": micro * accum * world_size,
-        "gradient_clipping": float(cfg.OPTIM.CLIP_GRAD_NORM),
-        **_precision(cfg.TRAIN.MIXED_PRECISION),
+        "gradient_clipping": float(spec.clip_grad_norm),
+        **_precision(spec.precision),
         "zero_optimization": zero,
         # Our optimizers (SGD, AdamW) are torch's, not DeepSpeed's fused ones,
         # offloaded too (DeepSpeed's CPU Adam would change the update).
@@ -197,25 +197,24 @@ def read_user_config(path: str) -> dict:
     return loaded
 
 
-def run_config(cfg: CfgNode, world_size: int) -> dict:
+def run_config(spec: StrategySpec, world_size: int) -> dict:
     """The config the engine runs with: ours, the user's json merged over it."""
-    ours = generated_config(cfg, world_size)
-    if not cfg.DIST.DEEPSPEED.CONFIG:
+    ours = generated_config(spec, world_size)
+    if not spec.deepspeed.config:
         return ours
-    return merge(ours, read_user_config(cfg.DIST.DEEPSPEED.CONFIG))
+    return merge(ours, read_user_config(spec.deepspeed.config))
 
 
-def check_nvme(cfg: CfgNode) -> None:
+def check_nvme(ds: DeepSpeedSpec) -> None:
     """ValueError unless an ``nvme`` offload has a writable DIST.DEEPSPEED.NVME_PATH."""
-    ds = cfg.DIST.DEEPSPEED
-    if "nvme" not in (ds.OFFLOAD_OPTIMIZER, ds.OFFLOAD_PARAMS):
+    if "nvme" not in (ds.offload_optimizer, ds.offload_params):
         return
-    if not ds.NVME_PATH:
+    if not ds.nvme_path:
         raise ValueError(
             "DIST.DEEPSPEED offload to nvme needs DIST.DEEPSPEED.NVME_PATH, a "
             "writable directory on the fast disk"
         )
-    if not (os.path.isdir(ds.NVME_PATH) and os.access(ds.NVME_PATH, os.W_OK | os.X_OK)):
+    if not (os.path.isdir(ds.nvme_path) and os.access(ds.nvme_path, os.W_OK | os.X_OK)):
         raise ValueError(
-            f"DIST.DEEPSPEED.NVME_PATH {ds.NVME_PATH!r} is not a writable directory"
+            f"DIST.DEEPSPEED.NVME_PATH {ds.nvme_path!r} is not a writable directory"
         )

@@ -14,6 +14,7 @@ from torch import nn
 
 from distribuuuu.dist import group as du
 from distribuuuu.strategies.base import Strategy, check_current_device
+from distribuuuu.strategies.registry import register
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ def gpus_from(device: torch.device, gpus: int) -> list[int]:
     return [first, *(index for index in range(gpus) if index != first)]
 
 
+@register
 class DataParallelStrategy(Strategy):
     """DataParallel over all visible GPUs of one process."""
 

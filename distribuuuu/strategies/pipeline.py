@@ -35,14 +35,12 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
-from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.checkpoint.format import (
@@ -62,17 +60,30 @@ from distribuuuu.models.chains import (
     named_bounds,
     step_sizes,
 )
-from distribuuuu.optim import build as optim
 from distribuuuu.strategies.base import (
     MicroBatch,
     Strategy,
     average_gradients,
+    step_optimizer,
+)
+from distribuuuu.strategies.mesh import ParallelDims
+from distribuuuu.strategies.optimizer_keys import (
     keyed_by_name,
     own_groups_by_name,
     rekey_optimizer_state,
-    step_optimizer,
 )
 from distribuuuu.strategies.precision import autocast
+from distribuuuu.strategies.registry import register
+from distribuuuu.strategies.spec import (
+    DISTILLATION,
+    FP16,
+    LAYER_DECAY,
+    PRECISE_BN,
+    SYNCBN,
+    PipelineSpec,
+    StrategySpec,
+    check_value,
+)
 
 if TYPE_CHECKING:
     from distribuuuu.engine.losses import TrainLoss
@@ -81,6 +92,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How pre-flight's refusals name this strategy.
+_NAMED = "DIST.STRATEGY pipeline"
+
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -88,33 +102,21 @@ SCHEDULES = {
 }
 
 
-def micro_batches(cfg: CfgNode) -> int:
-    """DIST.PIPELINE.MICROBATCHES, 0 meaning twice the stages."""
-    pipe = cfg.DIST.PIPELINE
-    return pipe.MICROBATCHES or 2 * pipe.STAGES
-
-
-def piece_count(cfg: CfgNode) -> int:
-    """Pieces the model is cut into: STAGES, times VIRTUAL_STAGES interleaved."""
-    pipe = cfg.DIST.PIPELINE
-    return pipe.STAGES * (
-        pipe.VIRTUAL_STAGES if pipe.SCHEDULE == "interleaved_1f1b" else 1
-    )
-
-
 # --- where the model is cut ------------------------------------------------- #
-def plan_split(model: nn.Module, cfg: CfgNode) -> tuple[list[Step], list[int]]:
-    """The chain of ``model`` and the first step of each piece.  Raises
-    ValueError for a model the pipeline cannot cut as asked."""
-    steps, pieces = model_chain(model), piece_count(cfg)
+def plan_split(
+    model: nn.Module, pipe: PipelineSpec, arch: str
+) -> tuple[list[Step], list[int]]:
+    """The chain of ``model`` (MODEL.ARCH ``arch``) and the first step of
+    each piece.  Raises ValueError for a model the pipeline cannot cut as
+    asked."""
+    steps, pieces = model_chain(model), pipe.pieces
     if len(steps) < pieces:
         raise ValueError(
-            f"DIST.PIPELINE: {cfg.MODEL.ARCH} has {len(steps)} layers to cut "
+            f"DIST.PIPELINE: {arch} has {len(steps)} layers to cut "
             f"between, too few for {pieces} stages"
         )
-    names = list(cfg.DIST.PIPELINE.SPLIT)
-    if names:
-        return steps, named_bounds(steps, names, pieces)
+    if pipe.split:
+        return steps, named_bounds(steps, list(pipe.split), pieces)
     return steps, balanced_bounds(step_sizes(model, steps), pieces)
 
 
@@ -224,73 +226,93 @@ def broadcast_from_first_rank(
         dist.broadcast(staged, 0)
 
 
-def whole_optimizer_order(model: nn.Module, optim_cfg: CfgNode) -> list[str]:
+def whole_optimizer_order(
+    model: nn.Module, param_groups: Callable[[nn.Module], list]
+) -> list[str]:
     """The names of ``model``'s parameters in the order of the whole optimizer
-    (that a whole optimizer state's indices follow)."""
-    groups = optim.build_param_groups(model, optim_cfg)
+    (that a whole optimizer state's indices follow), whose groups
+    ``param_groups`` builds."""
+    groups = param_groups(model)
     if groups and not isinstance(groups[0], dict):
         groups = [{"params": groups}]
     owner = {param: name for name, param in model.named_parameters()}
     return [owner[p] for group in groups for p in group["params"]]
 
 
+@register
 class PipelineStrategy(Strategy):
     """Stages of the model on the ranks of a pipeline; data parallel across
     pipelines."""
 
     name = "pipeline"
     supports_channels_last = False  # activations cross processes contiguous
+    refused = {
+        SYNCBN: _NAMED,
+        PRECISE_BN: _NAMED,
+        LAYER_DECAY: _NAMED,
+        FP16: f"{_NAMED} (the stages would have to agree on every skipped step); "
+        "use bf16",
+        DISTILLATION: f"{_NAMED} (its last stage, which computes the loss, never "
+        "sees the images)",
+    }
 
     @classmethod
-    def replicas(cls, cfg: CfgNode, world_size: int) -> int:
-        return max(world_size // cfg.DIST.PIPELINE.STAGES, 1)
+    def check_config(cls, spec: StrategySpec) -> None:
+        """Micro-batches that fill the schedule and split the batch."""
+        pipe, key = spec.pipeline, "DIST.PIPELINE.MICROBATCHES"
+        micro, stages = pipe.micro_batches, pipe.stages
+        if pipe.schedule != "gpipe":
+            check_value(micro >= stages, key, micro,
+                        f"must be >= DIST.PIPELINE.STAGES {stages} under "
+                        f"{pipe.schedule} (every stage needs a micro-batch in "
+                        "flight)")  # fmt: skip
+        if pipe.schedule == "interleaved_1f1b":
+            check_value(micro % stages == 0, key, micro,
+                        f"must be a multiple of DIST.PIPELINE.STAGES {stages} "
+                        "under interleaved_1f1b")  # fmt: skip
+        check_value(spec.batch_size % micro == 0, "TRAIN.BATCH_SIZE",
+                    spec.batch_size, f"must be a multiple of the {micro} "
+                    "pipeline micro-batches (DIST.PIPELINE.MICROBATCHES)")  # fmt: skip
+
+    @classmethod
+    def parallel_dims(cls, spec: StrategySpec, world_size: int) -> ParallelDims:
+        return ParallelDims(world_size, pp=spec.pipeline.stages)
 
     @classmethod
     def check_layout(
-        cls, cfg: CfgNode, world_size: int, skeleton: Callable[[], nn.Module]
+        cls, spec: StrategySpec, world_size: int, skeleton: Callable[[], nn.Module]
     ) -> None:
-        stages = cfg.DIST.PIPELINE.STAGES
-        if world_size % stages:
-            raise ValueError(
-                f"DIST.PIPELINE.STAGES {stages} must divide the world size "
-                f"{world_size} (the processes; the rest of it is data parallel)"
-            )
-        plan_split(skeleton(), cfg)
+        plan_split(skeleton(), spec.pipeline, spec.arch)
 
-    def __init__(self, cfg: CfgNode, device: torch.device, amp_dtype=None):
-        super().__init__(cfg, device, amp_dtype)
-        self.stages, self.world = cfg.DIST.PIPELINE.STAGES, du.get_world_size()
-        self.pieces = piece_count(cfg)
-        self.micro = micro_batches(cfg)
+    def __init__(self, spec: StrategySpec):
+        super().__init__(spec)
+        self.pipe = spec.pipeline
+        self.stages, self.pieces = self.pipe.stages, self.pipe.pieces
+        self.micro = self.pipe.micro_batches
         self.step_loss: Callable | None = None
 
     # --- the model ------------------------------------------------------- #
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        if self.world % self.stages:  # refused before the processes start
-            raise ValueError("DIST.PIPELINE.STAGES must divide the world size")
-        mesh = init_device_mesh(
-            self.device.type,
-            (self.world // self.stages, self.stages),
-            mesh_dim_names=("dp", "pp"),
-        )
+        self.dims.check()  # refused before the processes start
+        mesh = self.mesh
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         self.stage = mesh.get_local_rank("pp")
-        self.dp_size = self.world // self.stages
+        self.dp_size = self.dims.dp
         base = du.get_rank() - self.stage
-        steps, bounds = plan_split(model, self.cfg)
+        steps, bounds = plan_split(model, self.pipe, self.spec.arch)
         logger.info(
             "pipeline: %d stages x %d data-parallel, %s schedule, %d micro-batches; "
             "split %s:\n%s",
             self.stages,
             self.dp_size,
-            self.cfg.DIST.PIPELINE.SCHEDULE,
+            self.pipe.schedule,
             self.micro,
-            "as DIST.PIPELINE.SPLIT says" if self.cfg.DIST.PIPELINE.SPLIT
+            "as DIST.PIPELINE.SPLIT says" if self.pipe.split
             else "balanced by parameters",
             describe_split(model, steps, bounds),
         )  # fmt: skip
         self.whole = _WholeShapes(model)
-        self.whole_names = whole_optimizer_order(model, self.cfg.OPTIM)
+        self.whole_names = whole_optimizer_order(model, self.spec.param_groups)
         ends = [*bounds[1:], len(steps)]
         self.indices = list(range(self.stage, self.pieces, self.stages))
         mine = [steps[bounds[i] : ends[i]] for i in self.indices]
@@ -313,7 +335,7 @@ class PipelineStrategy(Strategy):
             PipelineStage(piece, index, self.pieces, self.device, group=self.pp_group)
             for piece, index in zip(pieces, self.indices)
         ]
-        kind = SCHEDULES[self.cfg.DIST.PIPELINE.SCHEDULE]
+        kind = SCHEDULES[self.pipe.schedule]
         first = stages if kind is ScheduleInterleaved1F1B else stages[0]
         # scale_grads=False: the loss is divided here, by micro-batches and
         # accumulation steps, so gradients accumulate over schedule steps.
@@ -323,10 +345,9 @@ class PipelineStrategy(Strategy):
         return self.step_loss(logits, target)
 
     def describe(self, model: nn.Module) -> str:
-        pipe = self.cfg.DIST.PIPELINE
         return (
             f"pipeline ({self.stages} stages x {self.dp_size} data-parallel, "
-            f"{pipe.SCHEDULE}, {self.micro} micro-batches per batch)"
+            f"{self.pipe.schedule}, {self.micro} micro-batches per batch)"
         )
 
     def holds_outputs(self, model: nn.Module) -> bool:
@@ -365,7 +386,7 @@ class PipelineStrategy(Strategy):
                 seen.clear()
         params = list(state.model.parameters())
         average_gradients(params, self.dp_group, self.dp_size)
-        clip = self.cfg.OPTIM.CLIP_GRAD_NORM
+        clip = self.spec.clip_grad_norm
         if clip > 0:
             self._clip_global_norm(params, clip)
         return step_optimizer(state.model, state.optimizer, state.scaler, 0.0)

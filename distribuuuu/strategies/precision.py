@@ -7,7 +7,6 @@ import logging
 from collections.abc import Callable
 
 import torch
-from yacs.config import CfgNode
 
 logger = logging.getLogger(__name__)
 
@@ -59,26 +58,16 @@ def auto_precision(
     return "fp16" if fp16_allowed else "none"
 
 
-def fp16_allowed(cfg: CfgNode) -> bool:
-    """Whether the run's strategy takes fp16 (FSDP, the pipeline, DeepSpeed and
-    tensor parallelism refuse it: see distribuuuu.config.validation)."""
-    refused = cfg.DIST.STRATEGY in ("fsdp", "pipeline", "deepspeed")
-    return not (refused or cfg.DIST.TENSOR_PARALLEL > 1)
-
-
-def resolve_auto_precision(cfg: CfgNode, device: torch.device) -> None:
-    """Replace TRAIN.MIXED_PRECISION ``auto`` in ``cfg`` with what it stands for
-    on ``device`` (logged), so that the saved config.yaml holds the precision
-    the run used; an explicit value is left as it is."""
-    if cfg.TRAIN.MIXED_PRECISION != "auto":
-        return
-    name = auto_precision(device, fp16_allowed(cfg))
-    was_frozen = cfg.is_frozen()
-    cfg.defrost()
-    cfg.TRAIN.MIXED_PRECISION = name
-    if was_frozen:
-        cfg.freeze()
-    logger.info("TRAIN.MIXED_PRECISION auto on %s: %s", device, name)
+def resolve_auto_precision(
+    requested: str, device: torch.device, fp16_allowed: bool
+) -> str:
+    """The precision the run uses for TRAIN.MIXED_PRECISION ``requested`` on
+    ``device``: what ``auto`` stands for there (see :func:`auto_precision`;
+    ``fp16_allowed``: the run's strategy takes fp16), an explicit value as
+    it is.  The config keeps ``auto``: the resolved value is the run's."""
+    if requested != "auto":
+        return requested
+    return auto_precision(device, fp16_allowed)
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

@@ -16,6 +16,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from distribuuuu.dist import group as du
 from distribuuuu.strategies.ddp import DDPStrategy
+from distribuuuu.strategies.registry import register
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,12 @@ def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return sharded
 
 
+@register
 class Zero1Strategy(DDPStrategy):
     """DDP with a ZeroRedundancyOptimizer."""
 
     name = "zero1"
+    takes_tensor_parallel = False
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return shard_optimizer(super().build_optimizer(model))

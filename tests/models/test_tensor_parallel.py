@@ -24,13 +24,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from distribuuuu.checkpoint.format import fuse_qkv
 from distribuuuu.models import build_model
 from distribuuuu.models.tensor_parallel import (
     check_tensor_parallel,
     parallelize,
     share_random_state,
 )
-from distribuuuu.models.vit import fuse_qkv, split_torchvision_attention
+from distribuuuu.models.vit import split_torchvision_attention
 from distribuuuu.strategies.base import average_gradients, clip_gradients
 
 VIT = ["--cfg", "config/digits_vit_tiny.yaml", "OPTIM.MAX_EPOCH", "1"]
@@ -215,11 +216,19 @@ def test_an_epoch_of_fsdp_times_tensor_parallel_ends_like_one_process(tmp_path):
 def _tensor_parallel_strategy(*keys: str):
     """The strategy of a torchvision ViT under TP 2 on this process's group."""
     from distribuuuu.config import load_cfg
+    from distribuuuu.engine.specs import strategy_spec
     from distribuuuu.strategies import build_strategy
 
     tp = ["DIST.TENSOR_PARALLEL", "2", "MODEL.ARCH", "vit_b_32"]
     cfg = load_cfg(None, [*tp, *keys])
-    return cfg, build_strategy(cfg, torch.device("cpu"))
+    return cfg, build_strategy(strategy_spec(cfg, torch.device("cpu")))
+
+
+def _tensor_parallel_model(strategy, model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` through the chain's tensor-parallel and wrapping steps."""
+    from distribuuuu.strategies.chain import split_tensors, wrap
+
+    return wrap(strategy, split_tensors(strategy, model))
 
 
 def _whole_state_round_trip(rank: int, out_dir: str) -> dict:
@@ -230,7 +239,7 @@ def _whole_state_round_trip(rank: int, out_dir: str) -> dict:
     _, strategy = _tensor_parallel_strategy()
     torch.manual_seed(0)
     plain = _small_torchvision_vit()
-    model = strategy.prepare_model(_small_torchvision_vit())
+    model = _tensor_parallel_model(strategy, _small_torchvision_vit())
     strategy.load_model_state(model, plain.state_dict())
     whole = strategy.model_state_dict(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -254,14 +263,15 @@ def _drop_path_steps(rank: int, sequence_parallel: bool) -> dict:
     20 SGD steps under TP 2 (the strategy's), each rank seeded apart as the
     trainer seeds it; and whether two forward passes then differ (the zero
     head of torchvision's ViT gives zero logits before)."""
+    from distribuuuu.engine.specs import model_spec
     from distribuuuu.models.regularize import regularize
 
     sp = ["DIST.SEQUENCE_PARALLEL", str(sequence_parallel)]
     cfg, strategy = _tensor_parallel_strategy("MODEL.DROP_PATH", "0.5", *sp)
     torch.manual_seed(1 + rank)  # RNG_SEED + rank
     model = _small_torchvision_vit()
-    regularize(model, cfg.MODEL.ARCH, cfg.MODEL)
-    model = strategy.prepare_model(model)
+    regularize(model, model_spec(cfg))
+    model = _tensor_parallel_model(strategy, model)
     batch = torch.Generator().manual_seed(0)  # the same batch on both ranks
     images = torch.randn(8, 3, 28, 28, generator=batch)
     targets = torch.randint(0, 10, (8,), generator=batch)

@@ -51,8 +51,8 @@ def test_compile_in_place_compiles_the_forward_and_keeps_the_keys():
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from distribuuuu.engine.trainer import compile_in_place
     from distribuuuu.models import build_model
+    from distribuuuu.strategies.chain import compile_in_place
 
     model = build_model("lenet5", 10)
     keys = list(model.state_dict())

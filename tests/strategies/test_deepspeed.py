@@ -28,9 +28,11 @@ from helpers import (
 )
 
 from distribuuuu.dist import group as du
+from distribuuuu.engine.specs import strategy_spec
 from distribuuuu.strategies import deepspeed as deepspeed_strategy
+from distribuuuu.strategies.chain import takes_fp16
 from distribuuuu.strategies.deepspeed_config import generated_config, merge
-from distribuuuu.strategies.precision import auto_precision, fp16_allowed
+from distribuuuu.strategies.precision import auto_precision
 
 # One epoch of LeNet-5 on the embedded digits, 2 processes x 64.
 LENET = ["MODEL.ARCH", "lenet5", "OPTIM.MAX_EPOCH", "1", "RNG_SEED", "3"]
@@ -332,7 +334,7 @@ def test_bad_keys_are_refused(tmp_path, keys, words):
 def test_auto_precision_before_ampere_is_fp32_not_fp16():
     """fp16 is refused under DeepSpeed, so TRAIN.MIXED_PRECISION auto on a
     V100 (compute capability 7.0) trains in fp32; bf16 from Ampere on."""
-    allowed, gpu = fp16_allowed(_cfg()), torch.device("cuda", 0)
+    allowed, gpu = takes_fp16(strategy_spec(_cfg())), torch.device("cuda", 0)
     assert auto_precision(gpu, allowed, lambda _: (7, 0)) == "none"
     assert auto_precision(gpu, allowed, lambda _: (8, 0)) == "bf16"
 
@@ -381,7 +383,7 @@ WRITING_SECTIONS = {
 
 @pytest.mark.parametrize("section", WRITING_SECTIONS)
 def test_a_json_section_beyond_the_engine_is_refused(section):
-    ours = generated_config(_cfg(), world_size=1)
+    ours = generated_config(strategy_spec(_cfg()), world_size=1)
     with pytest.raises(ValueError) as caught:
         merge(ours, {section: WRITING_SECTIONS[section]})
     message = str(caught.value)
@@ -437,7 +439,7 @@ def test_generated_config_follows_our_keys():
         "DIST.DEEPSPEED.ZERO_STAGE", "3", "DIST.DEEPSPEED.OFFLOAD_PARAMS", "nvme",
         "DIST.DEEPSPEED.NVME_PATH", "/nvme",
     )  # fmt: skip
-    config = generated_config(cfg, world_size=8)
+    config = generated_config(strategy_spec(cfg), world_size=8)
     assert config["train_micro_batch_size_per_gpu"] == 16
     assert config["gradient_accumulation_steps"] == 4
     assert config["train_batch_size"] == 16 * 4 * 8
@@ -453,7 +455,7 @@ def test_generated_config_follows_our_keys():
 
 
 def test_merge_adds_what_we_have_no_key_for_and_accepts_agreeing_values():
-    ours = generated_config(_cfg(), world_size=2)
+    ours = generated_config(strategy_spec(_cfg()), world_size=2)
     theirs = {
         "zero_optimization": {"stage": 2, "overlap_comm": True},
         "gradient_clipping": 0,  # 0 and 0.0 agree
@@ -516,7 +518,8 @@ def _slurm_task(monkeypatch, local_rank: int, visible: int, makes_current=None):
         monkeypatch.setattr(torch.distributed, name, _returning(value))
     fake = _FakeDeepSpeed(cuda, makes_current)
     monkeypatch.setattr(deepspeed_strategy, "import_deepspeed", lambda device: fake)
-    return deepspeed_strategy.DeepSpeedStrategy(_cfg(), device), fake
+    strategy = deepspeed_strategy.DeepSpeedStrategy(strategy_spec(_cfg(), device))
+    return strategy, fake
 
 
 def test_a_task_bound_to_one_gpu_gives_deepspeed_that_gpu(monkeypatch):
@@ -562,7 +565,8 @@ def _ds_folder(tmp_path, name: str, payload) -> str:
 def test_deepspeed_files_of_plain_state_pass_and_crafted_ones_are_refused(tmp_path):
     from collections import OrderedDict
 
-    from distribuuuu.checkpoint import RefusedCheckpointError, check_deepspeed_files
+    from distribuuuu.checkpoint import check_deepspeed_files
+    from distribuuuu.errors import RefusedCheckpointError
 
     plain = {"module": OrderedDict(w=torch.ones(2)), "ds_version": "0.19.8"}
     check_deepspeed_files(

@@ -9,6 +9,7 @@ import torch
 from fake_devices import FakeCuda, GpuShyLinear
 
 from distribuuuu.config import get_cfg
+from distribuuuu.engine.specs import strategy_spec
 from distribuuuu.strategies import dp
 
 
@@ -29,7 +30,8 @@ def _prepare(monkeypatch, gpus: int, index: int, makes_current=None):
     cfg = get_cfg()
     cfg.DIST.STRATEGY = "dp"
     model = GpuShyLinear()
-    dp.DataParallelStrategy(cfg, torch.device("cuda", index)).prepare_model(model)
+    spec = strategy_spec(cfg, torch.device("cuda", index))
+    dp.DataParallelStrategy(spec).prepare_model(model)
     return model, given
 
 

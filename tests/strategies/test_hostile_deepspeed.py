@@ -28,10 +28,12 @@ import torch
 from helpers import TINY, call_main, needs_deepspeed
 from test_hostile import assert_one_error_line, snapshot
 
-from distribuuuu.checkpoint import RefusedCheckpointError, check_deepspeed_files
+from distribuuuu.checkpoint import check_deepspeed_files
 from distribuuuu.checkpoint.deepspeed_files import torch_pickle_of, weights_only_loads
 from distribuuuu.checkpoint.format import DEEPSPEED, DEEPSPEED_LAYOUT
 from distribuuuu.config import get_cfg
+from distribuuuu.engine.specs import strategy_spec
+from distribuuuu.errors import RefusedCheckpointError
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "deepspeed_files"
 # Every kind of file, as (layout folder, file name).
@@ -368,7 +370,7 @@ def test_resume_loads_deepspeeds_files_weights_only(deepspeed_loader, tmp_path):
     cfg.merge_from_list(
         ["DIST.STRATEGY", "deepspeed", "DIST.DEEPSPEED.ZERO_STAGE", "2"]
     )
-    strategy = DeepSpeedStrategy(cfg, torch.device("cpu"))
+    strategy = DeepSpeedStrategy(strategy_spec(cfg, torch.device("cpu")))
     marker = tmp_path / "ran"
     kind = ("zero2", "mp_rank_00_model_states.pt")
     for name, data in [

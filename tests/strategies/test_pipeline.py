@@ -21,10 +21,11 @@ from helpers import (
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.config import load_cfg
+from distribuuuu.engine.specs import strategy_spec
+from distribuuuu.errors import UnsplittableModelError
 from distribuuuu.models import build_model
 from distribuuuu.models.chains import (
     StagePart,
-    UnsplittableModelError,
     balanced_bounds,
     model_chain,
     named_bounds,
@@ -108,7 +109,8 @@ def test_split_names_begin_stages_where_the_user_says():
     cfg.defrost()
     cfg.DIST.PIPELINE.SPLIT = ["layer2.1", "layer4"]
     cfg.DIST.PIPELINE.STAGES = 3
-    _, bounds = plan_split(model, cfg)
+    spec = strategy_spec(cfg)
+    _, bounds = plan_split(model, spec.pipeline, spec.arch)
     assert [steps[i].name for i in bounds] == ["conv1", "layer2.1", "layer4.0"]
 
 

@@ -13,6 +13,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from distribuuuu.config import get_cfg
 from distribuuuu.dist import group as du
+from distribuuuu.engine.specs import strategy_spec
 from distribuuuu.models import build_model
 from distribuuuu.strategies import build_strategy
 from distribuuuu.strategies.pipeline import PipelineStrategy
@@ -31,7 +32,7 @@ def fake_rank(rank: int, world: int) -> Iterator[None]:
 def _pipeline(device: str) -> PipelineStrategy:
     cfg = get_cfg()
     cfg.MODEL.ARCH, cfg.DIST.STRATEGY = "lenet5", "pipeline"
-    return build_strategy(cfg, torch.device(device))
+    return build_strategy(strategy_spec(cfg, torch.device(device)))
 
 
 def _lenet() -> torch.nn.Module:

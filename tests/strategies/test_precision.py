@@ -13,9 +13,10 @@ from helpers import TINY, assert_ok, read_text, train_net
 
 from distribuuuu.config import load_cfg
 from distribuuuu.engine.session import run_context
+from distribuuuu.engine.specs import run_precision, strategy_spec
+from distribuuuu.strategies.chain import takes_fp16
 from distribuuuu.strategies.precision import (
     auto_precision,
-    fp16_allowed,
     resolve_auto_precision,
     resolve_precision,
 )
@@ -70,13 +71,14 @@ def test_auto_is_full_precision_on_cpu_without_asking_cuda():
     ],
 )
 def test_fp16_is_offered_only_to_strategies_that_take_it(keys, allowed):
-    assert fp16_allowed(load_cfg(None, keys)) is allowed
+    assert takes_fp16(strategy_spec(load_cfg(None, keys))) is allowed
 
 
 def test_explicit_values_are_kept_and_auto_must_be_resolved():
     cfg = load_cfg(None, ["TRAIN.MIXED_PRECISION", "bf16"])
-    resolve_auto_precision(cfg, torch.device("cpu"))
-    assert cfg.TRAIN.MIXED_PRECISION == "bf16" and cfg.is_frozen()
+    requested = cfg.TRAIN.MIXED_PRECISION
+    resolved = resolve_auto_precision(requested, torch.device("cpu"), True)
+    assert resolved == "bf16" and cfg.is_frozen()
     with pytest.raises(ValueError, match="auto must be resolved"):
         resolve_precision("auto", torch.device("cpu"))
 
@@ -86,7 +88,7 @@ def test_auto_is_the_default_and_resolves_to_none_on_cpu():
     assert cfg.TRAIN.MIXED_PRECISION == "auto"
     with run_context(cfg, log_files=False) as (_, device):
         assert device.type == "cpu"
-        assert cfg.TRAIN.MIXED_PRECISION == "none" and cfg.is_frozen()
+        assert run_precision(cfg, device) == "none" and cfg.is_frozen()
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from helpers import strategy_for
 
 from distribuuuu.config import STRATEGIES as CONFIG_CHOICES
 from distribuuuu.config import load_cfg
+from distribuuuu.engine.specs import strategy_spec
 from distribuuuu.models import build_model
 from distribuuuu.strategies import STRATEGIES, Strategy, build_strategy
 
@@ -21,9 +22,11 @@ def test_every_config_choice_has_a_strategy_and_no_more():
 
 
 def test_the_config_picks_the_strategy():
-    cfg = load_cfg(None, ["DIST.STRATEGY", "zero1"])
-    strategy = build_strategy(cfg, torch.device("cpu"))
-    assert strategy.name == "zero1" and strategy.cfg is cfg
+    spec = strategy_spec(
+        load_cfg(None, ["DIST.STRATEGY", "zero1"]), torch.device("cpu")
+    )
+    strategy = build_strategy(spec)
+    assert strategy.name == "zero1" and strategy.spec is spec
 
 
 def test_only_dp_drives_more_than_one_device_per_process():
