@@ -82,6 +82,7 @@ from distribuuuu.engine.specs import (
     loader_spec,
     loop_spec,
     optimizer_spec,
+    run_precision,
 )
 from distribuuuu.engine.trainer import build_train_state
 from distribuuuu.logger import PACKAGE_LOGGER, setup_logging
@@ -415,8 +416,10 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="distribuuuu-bench-") as work_dir:
         cfg = bench_cfg(args, work_dir)
+        precision = cfg.TRAIN.MIXED_PRECISION
         if what & {"train", "eval"}:
             results.update(bench_train_and_eval(args, cfg, what))
+            precision = run_precision(cfg, torch.device(cfg.DEVICE))  # as it ran
         if "data" in what:
             results["data_pipeline"] = bench_data(args, work_dir)
         if "startup" in what:
@@ -436,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
             "model": cfg.MODEL.ARCH,
             "im_size": cfg.TRAIN.IM_SIZE,
             "batch": cfg.TRAIN.BATCH_SIZE,
-            "precision": cfg.TRAIN.MIXED_PRECISION,
+            "precision": precision,
             "threads": torch.get_num_threads(),
             "device": cfg.DEVICE,
             "cpus": os.cpu_count(),
