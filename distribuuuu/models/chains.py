@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +82,7 @@ def _resnet(model: nn.Module) -> list[Step]:
 
 def _small_resnet(model: nn.Module) -> list[Step]:
     steps = [_call("stem")]
-    for stage, _ in model.stages.named_children():
+    for stage, _ in model.get_submodule("stages").named_children():
         steps += _children(model, f"stages.{stage}")
     return steps + [_call("pool"), _call("fc", _flatten)]
 
@@ -95,7 +96,7 @@ def _lenet(model: nn.Module) -> list[Step]:
 
 def _regnet(model: nn.Module) -> list[Step]:
     steps = [_call("stem")]
-    for stage, _ in model.trunk_output.named_children():
+    for stage, _ in model.get_submodule("trunk_output").named_children():
         steps += _children(model, f"trunk_output.{stage}")
     return steps + [_call("avgpool"), _call("fc", _flatten)]
 
@@ -123,37 +124,40 @@ def _is_convnext(model: nn.Module) -> bool:
 
 def _vit(model: nn.Module) -> list[Step]:
     """torchvision's VisionTransformer: patches + class token + position, the
-    encoder layers, then the final norm and the head on the class token."""
+    encoder layers, then the final norm and the head on the class token.
+    The steps read the ViT's names as attributes of their root (Any: torch
+    types a module's attribute as a tensor or a module)."""
 
-    def embed(root: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def embed(root: Any, x: torch.Tensor) -> torch.Tensor:
         x = root.conv_proj(x)
         x = x.flatten(2).transpose(1, 2)  # (n, patches, hidden)
         token = root.class_token.expand(x.shape[0], -1, -1)
         x = torch.cat([token, x], dim=1) + root.encoder.pos_embedding
         return root.encoder.dropout(x)
 
-    def head(root: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def head(root: Any, x: torch.Tensor) -> torch.Tensor:
         return root.heads(root.encoder.ln(x)[:, 0])
 
     owns = ("conv_proj", "class_token", "encoder.pos_embedding", "encoder.dropout")
     steps = [Step(owns, embed)]
-    for name, _ in model.encoder.layers.named_children():
+    for name, _ in model.get_submodule("encoder.layers").named_children():
         steps.append(_call(f"encoder.layers.{name}"))
     return steps + [Step(("encoder.ln", "heads"), head)]
 
 
 def _our_vit(model: nn.Module) -> list[Step]:
-    """vit_tiny_patch4: the embedding, the blocks, the norm and head."""
+    """vit_tiny_patch4: the embedding, the blocks, the norm and head (the
+    steps read its names as attributes of their root, as :func:`_vit`'s)."""
 
-    def head(root: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def head(root: Any, x: torch.Tensor) -> torch.Tensor:
         return root.head(root.norm(x)[:, 0])
 
-    def embed(root: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def embed(root: Any, x: torch.Tensor) -> torch.Tensor:
         return vit.embed_patches(root.patch_embed, root.cls_token, x)
 
-    embed = Step(("patch_embed", "cls_token"), embed)
+    embedding = Step(("patch_embed", "cls_token"), embed)
     blocks = _children(model, "blocks")
-    return [embed, *blocks, Step(("norm", "head"), head)]
+    return [embedding, *blocks, Step(("norm", "head"), head)]
 
 
 def _families() -> list[tuple[type, Callable[[nn.Module], list[Step]]]]:
@@ -210,7 +214,7 @@ def _owned_tensors(model: nn.Module, name: str) -> list[torch.Tensor]:
     parent, _, leaf = name.rpartition(".")
     holder = model.get_submodule(parent)
     if leaf in holder._modules:
-        module = holder._modules[leaf]
+        module = holder.get_submodule(leaf)
         return [*module.parameters(), *module.buffers()]
     tensor = getattr(holder, leaf)
     return [tensor] if isinstance(tensor, torch.Tensor) else []
@@ -330,7 +334,7 @@ def _adopt(root: nn.Module, model: nn.Module, name: str) -> None:
     for part in parent.split(".") if parent else ():
         if part not in container._modules:
             container.add_module(part, nn.Module())
-        container = container._modules[part]
+        container = container.get_submodule(part)
     if leaf in holder._modules:
         container.add_module(leaf, holder._modules[leaf])
     elif leaf in holder._parameters:

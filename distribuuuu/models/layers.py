@@ -11,6 +11,7 @@ fine-tuning code does.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from torch import nn
 
@@ -28,9 +29,9 @@ def _by_pattern(names: list[str], stem: str, block: str, blocks: int) -> dict:
     return ids
 
 
-def _convnext(model: nn.Module, names: list[str]) -> tuple[dict, int]:
-    """torchvision's ConvNeXt: features 0 the stem, odd features the stages
-    of blocks, even ones the downsampling before the next stage."""
+def _convnext(model: Any, names: list[str]) -> tuple[dict, int]:
+    """torchvision's ConvNeXt (untyped): features 0 the stem, odd features the
+    stages of blocks, even ones the downsampling before the next stage."""
     first, count = {}, 0  # the id of each stage's first block
     for index in range(1, len(model.features), 2):
         first[index] = count + 1
@@ -41,7 +42,7 @@ def _convnext(model: nn.Module, names: list[str]) -> tuple[dict, int]:
         index = int(match.group(1)) if match else -1
         if name.startswith("features.0."):
             ids[name] = 0
-        elif index in first:
+        elif match and index in first:  # (index -1 is never in first)
             ids[name] = first[index] + int(match.group(2))
         elif index + 1 in first:  # a downsampling layer: the next stage's
             ids[name] = first[index + 1]

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -78,8 +79,9 @@ def _keeps_running_statistics(model: nn.Module) -> bool:
     )
 
 
-def _switch_on_timm_checkpointing(model: nn.Module) -> int:
-    """timm's own activation checkpointing; the number of modules it switched on.
+def _switch_on_timm_checkpointing(model: Any) -> int:
+    """timm's own activation checkpointing; the number of modules it switched on
+    (``model``: a timm model, whose set_grad_checkpointing torch does not type).
 
     Several timm models refuse with ``assert not enable`` (0 then, also under
     ``python -O``, where that assert vanishes and nothing is switched on).
@@ -105,7 +107,8 @@ def enable_activation_checkpointing(model: nn.Module) -> int:
     """
     blocks = find_blocks(model)
     for block in blocks:
-        block.__class__ = _recomputed_class(type(block))
+        # A class is hashable; mypy checks Module's __hash__ (an instance's).
+        block.__class__ = _recomputed_class(type(block))  # type: ignore[arg-type]
     if blocks:
         return len(blocks)
     name, why = type(model).__name__, ""

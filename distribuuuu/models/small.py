@@ -24,7 +24,7 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(channels, channels, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(channels)
         self.relu = nn.ReLU(inplace=True)
-        self.shortcut = nn.Identity()
+        self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or in_channels != channels:
             self.shortcut = nn.Sequential(
                 nn.Conv2d(in_channels, channels, 1, stride, bias=False),

@@ -138,7 +138,12 @@ class GroupSyncBatchNorm(_BatchNorm):
             self.process_group,
         )
         out = out.to(x.dtype)
-        if self.track_running_stats:
+        # The buffers are None only without track_running_stats.
+        if (
+            self.track_running_stats
+            and self.running_mean is not None
+            and self.running_var is not None
+        ):
             with torch.no_grad():
                 unbiased = var * (count / (count - 1).clamp(min=1))
                 self.running_mean.lerp_(mean.detach(), factor)
@@ -222,7 +227,7 @@ def recompute_bn_statistics(module: nn.Module, batches: Iterable[torch.Tensor]) 
     ]
     if not norms:
         return 0
-    saved = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
+    saved = [(m.momentum, m.get_buffer("num_batches_tracked").clone()) for m in norms]
     was_training = module.training
     for norm in norms:
         norm.reset_running_stats()
@@ -237,10 +242,13 @@ def recompute_bn_statistics(module: nn.Module, batches: Iterable[torch.Tensor]) 
         module.train(was_training)
         for norm, (momentum, tracked) in zip(norms, saved):
             norm.momentum = momentum
-            norm.num_batches_tracked.copy_(tracked)
+            norm.get_buffer("num_batches_tracked").copy_(tracked)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         for norm in norms:
-            for stat in (norm.running_mean, norm.running_var):
+            for stat in (
+                norm.get_buffer("running_mean"),
+                norm.get_buffer("running_var"),
+            ):
                 dist.all_reduce(stat)
                 stat /= dist.get_world_size()
     return count

@@ -27,6 +27,8 @@ must be drawn alike on all of them, or the replicated weights drift apart.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
@@ -96,19 +99,20 @@ def tokens(model: nn.Module, image_size: int) -> int:
     if isinstance(model, vit.VisionTransformer):
         patch = model.patch_embed.kernel_size[0]
         return (image_size // patch) ** 2 + 1
-    return model.seq_length
+    return cast(int, model.seq_length)  # torchvision's ViT (untyped)
 
 
 def _sizes(model: nn.Module) -> tuple[int, int, int]:
     """Heads, hidden size and MLP size of the transformer blocks."""
     if isinstance(model, vit.VisionTransformer):
-        block = model.blocks[0]
+        block = cast(vit.Block, model.blocks[0])
         dim = block.attn.q.in_features
         return dim // block.attn.head_dim, dim, block.fc1.out_features
+    torchvision_vit: Any = model  # untyped
     return (
-        model.encoder.layers[0].self_attention.num_heads,
-        model.hidden_dim,
-        model.mlp_dim,
+        torchvision_vit.encoder.layers[0].self_attention.num_heads,
+        torchvision_vit.hidden_dim,
+        torchvision_vit.mlp_dim,
     )
 
 
@@ -143,7 +147,7 @@ def parallelize(
     (their token-wise layers over the tokens with ``sequence_parallel``)."""
     vit.split_torchvision_attention(model)
     tokens_split = Shard(1) if sequence_parallel else Replicate()
-    plan = {}
+    plan: dict[str, ParallelStyle] = {}
     for block, attention, (fc1, fc2), token_wise in _blocks(model):
         for name in ("q", "k", "v"):
             plan[f"{block}.{attention}.{name}"] = ColwiseParallel()
