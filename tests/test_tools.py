@@ -30,6 +30,7 @@ from PIL import Image
 
 from distribuuuu.data import build_dataset, build_normalizer
 from distribuuuu.data.datasets import load_mnist5k
+from distribuuuu.engine.specs import data_spec
 from distribuuuu.inference import export as exporting
 from distribuuuu.inference.read import (
     build_inference_model,
@@ -190,8 +191,10 @@ def test_export_trained_checkpoint(trained: Path, tmp_path: Path):
     assert list(state) == list(plain.state_dict())  # no module., no optimizer
     assert all(t.device.type == "cpu" and t.is_contiguous() for t in state.values())
     plain.load_state_dict(state)
-    images = torch.stack([build_dataset(cfg, train=False)[i][0] for i in range(8)])
-    images = build_normalizer(cfg, torch.device("cpu"))(images)
+    images = torch.stack(
+        [build_dataset(data_spec(cfg), train=False)[i][0] for i in range(8)]
+    )
+    images = build_normalizer(data_spec(cfg), torch.device("cpu"))(images)
     with torch.no_grad():
         expected = model(images)
         assert torch.equal(plain.eval()(images), expected)
@@ -266,8 +269,8 @@ def digit_files(trained: Path, tmp_path_factory) -> dict[str, tuple[int, torch.T
     (folder / "odd").mkdir()
     (folder / "README.txt").write_text("not an image\n")
     model, cfg = reference(trained / "best.pth")
-    dataset = build_dataset(cfg, train=False)
-    normalize = build_normalizer(cfg, torch.device("cpu"))
+    dataset = build_dataset(data_spec(cfg), train=False)
+    normalize = build_normalizer(data_spec(cfg), torch.device("cpu"))
     images, labels = load_mnist5k(train=False)
     files = {}
     for digit in DIGITS:

@@ -1,4 +1,5 @@
-"""Data sets, transforms, samplers and loaders, chosen by ``cfg.DATA.NAME``."""
+"""Data sets, transforms, samplers and loaders, chosen by ``DataSpec.name``
+(DATA.NAME); what they read of a run comes in :mod:`distribuuuu.data.spec`."""
 
 from __future__ import annotations
 
@@ -10,13 +11,11 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
-from yacs.config import CfgNode
 
-from distribuuuu.config import resolve_data_name
 from distribuuuu.data import datasets as ds
 from distribuuuu.data import gpu_decode, image_files, turbo
 from distribuuuu.data.batch_ring import RingLoader
-from distribuuuu.data.datasets import DataError, count_images, find_image_files
+from distribuuuu.data.datasets import count_images, find_image_files
 from distribuuuu.data.jpeg import (
     JpegFile,
     jpeg_bytes,
@@ -31,6 +30,7 @@ from distribuuuu.data.shards import (
     open_shards,
     shortage_message,
 )
+from distribuuuu.data.spec import DataSpec, LoaderSpec, TransformSpec
 from distribuuuu.data.transforms import (
     ToNormalizedFloat,
     auto_augment,
@@ -38,10 +38,13 @@ from distribuuuu.data.transforms import (
     small_image_transforms,
 )
 from distribuuuu.data.worker_server import worker_context
-from distribuuuu.engine.tta import CROP_MODES
+from distribuuuu.errors import DataError
 
 __all__ = [
     "DataError",
+    "DataSpec",
+    "LoaderSpec",
+    "TransformSpec",
     "build_dataset",
     "empty_batch",
     "build_normalizer",
@@ -76,12 +79,11 @@ _AUTO_AUGMENT_POLICY = {"mnist5k": "svhn", "cifar10": "cifar10", "cifar100": "ci
 _IMAGE_FILES = ("imagefolder", "webdataset")
 
 
-def _train_augment(cfg: CfgNode, name: str) -> tuple[v2.Transform | None, float]:
+def _train_augment(spec: TransformSpec, name: str) -> tuple[v2.Transform | None, float]:
     """The auto-augment transform (or None) and random erasing probability."""
     policy = _AUTO_AUGMENT_POLICY.get(name, "imagenet")
-    data = cfg.DATA
-    augment = auto_augment(data.AUTO_AUGMENT, policy, data.RANDAUG_N, data.RANDAUG_M)
-    return augment, data.RANDOM_ERASING
+    augment = auto_augment(spec.auto_augment, policy, spec.randaug_n, spec.randaug_m)
+    return augment, spec.random_erasing
 
 
 def _statistics(name: str) -> tuple[tuple, tuple]:
@@ -91,77 +93,86 @@ def _statistics(name: str) -> tuple[tuple, tuple]:
     return ds.IMAGENET_MEAN, ds.IMAGENET_STD
 
 
-def eval_sizes(cfg: CfgNode) -> tuple[int, int]:
+def eval_sizes(spec: TransformSpec) -> tuple[int, int]:
     """The evaluation resize (of the shorter side) and centre crop, in pixels:
     TEST.CROP_SIZE (or TRAIN.IM_SIZE) after TEST.IM_SIZE, or after
     floor(crop / TEST.CROP_PCT) when that is set."""
-    crop = cfg.TEST.CROP_SIZE or cfg.TRAIN.IM_SIZE
-    if cfg.TEST.CROP_PCT:
-        return math.floor(crop / cfg.TEST.CROP_PCT), crop
-    return cfg.TEST.IM_SIZE, crop
+    crop = spec.test_crop_size or spec.im_size
+    if spec.test_crop_pct:
+        return math.floor(crop / spec.test_crop_pct), crop
+    return spec.test_im_size, crop
 
 
-def flip_probability(cfg: CfgNode, name: str) -> float:
+def flip_probability(spec: TransformSpec, name: str) -> float:
     """TRAIN.HFLIP, or where it is -1, data set ``name``'s own."""
-    if cfg.TRAIN.HFLIP >= 0:
-        return cfg.TRAIN.HFLIP
+    if spec.hflip >= 0:
+        return spec.hflip
     return 0.5 if _SMALL_IMAGES.get(name, (0, None, None, True))[3] else 0.0
 
 
-def _transform(
-    cfg: CfgNode, name: str, train: bool, views: bool = False
-) -> v2.Transform:
-    """The train or eval transform of data set ``name`` (images as it serves
+def _transform(spec: DataSpec, train: bool, views: bool = False) -> v2.Transform:
+    """The train or eval transform of the data set (images as it serves
     them, to uint8 tensors); with ``views``, the evaluation images that
     TEST.TTA five_crop / ten_crop crop on the device (the square of the
     resize) where it is set."""
-    size = cfg.TRAIN.IM_SIZE
-    augment, erasing = _train_augment(cfg, name) if train else (None, 0.0)
-    mean, _ = _statistics(name)
-    flip = flip_probability(cfg, name)
-    interpolation = (cfg.TRAIN if train else cfg.TEST).INTERPOLATION
-    resize, crop = eval_sizes(cfg)
-    if views and cfg.TEST.TTA in CROP_MODES:
+    name, sizes = spec.name, spec.transform
+    augment, erasing = _train_augment(sizes, name) if train else (None, 0.0)
+    resize, crop = eval_sizes(sizes)
+    if views and sizes.device_crops:
         crop = resize
+    common = {
+        "mean": _statistics(name)[0],
+        "augment": augment,
+        "erasing": erasing,
+        "flip": flip_probability(sizes, name),
+        "interpolation": (
+            sizes.train_interpolation if train else sizes.test_interpolation
+        ),
+    }
     if name in _IMAGE_FILES:
-        fused = cfg.DATA.DECODER == "fused"
-        return imagenet_transforms(train, size, resize, mean, augment, erasing,
-                                   crop, flip, interpolation, fused)  # fmt: skip
-    native = _SMALL_IMAGES[name][0] if name in _SMALL_IMAGES else size
-    return small_image_transforms(train, size if train else crop, native, mean,
-                                  flip, augment, erasing, interpolation)  # fmt: skip
+        return imagenet_transforms(
+            train,
+            train_size=sizes.im_size,
+            test_size=resize,
+            crop_size=crop,
+            fused=spec.decoder == "fused",
+            **common,
+        )
+    native = _SMALL_IMAGES[name][0] if name in _SMALL_IMAGES else sizes.im_size
+    size = sizes.im_size if train else crop
+    return small_image_transforms(train, im_size=size, native_size=native, **common)
 
 
 def build_normalizer(
-    cfg: CfgNode, device: torch.device, channels_last: bool = False
+    spec: DataSpec, device: torch.device, channels_last: bool = False
 ) -> ToNormalizedFloat:
     """The input step after the data set: its uint8 images (one, or a batch)
     copied to ``device`` as float32 normalised with the data set's mean and
     std, optionally channels-last."""
-    mean, std = _statistics(resolve_data_name(cfg))
+    mean, std = _statistics(spec.name)
     normalize = ToNormalizedFloat(mean, std, channels_last).to(device)
-    if cfg.DATA.DECODER == "gpu":  # the batches are JPEG bytes: decode them there
+    if spec.decoder == "gpu":  # the batches are JPEG bytes: decode them there
         return gpu_decode.DeviceDecoder(normalize)
     return normalize
 
 
-def image_reader(cfg: CfgNode) -> Callable[[str], torch.Tensor | Image.Image]:
-    """What reads an image file for cfg (DATA.DECODER): a uint8 tensor from
-    ``torchvision.io`` or an RGB PIL image; a DataError names a damaged file.
-    DATA.DECODER gpu reads a single file as tensor does."""
+def image_reader(decoder: str) -> Callable[[str], torch.Tensor | Image.Image]:
+    """What reads an image file for DATA.DECODER ``decoder``: a uint8 tensor
+    from ``torchvision.io`` or an RGB PIL image; a DataError names a damaged
+    file.  DATA.DECODER gpu reads a single file as tensor does."""
     readers = {
         "fused": read_image_fused,
         "tensor": image_files.decode_image_file,
         "gpu": image_files.decode_image_file,
     }
-    return readers.get(cfg.DATA.DECODER, image_files.load_image)
+    return readers.get(decoder, image_files.load_image)
 
 
-def describe_decoder(cfg: CfgNode) -> str:
+def describe_decoder(spec: DataSpec) -> str:
     """DATA.DECODER in words for the start-up report: for fused image files,
     whether the training crops' windows or whole images are decoded."""
-    decoder = cfg.DATA.DECODER
-    if decoder != "fused" or resolve_data_name(cfg) not in _IMAGE_FILES:
+    decoder = spec.decoder
+    if decoder != "fused" or spec.name not in _IMAGE_FILES:
         return decoder
     window = turbo.window_decoder()
     if window is None:
@@ -173,9 +184,9 @@ def describe_decoder(cfg: CfgNode) -> str:
 
 
 def build_test_transform(
-    cfg: CfgNode, normalize: ToNormalizedFloat | None = None
+    spec: DataSpec, normalize: ToNormalizedFloat | None = None
 ) -> v2.Compose:
-    """The whole evaluation input pipeline of cfg's data set for one image of
+    """The whole evaluation input pipeline of the data set for one image of
     any size as :func:`image_reader` gives it, normalisation included (by
     ``normalize`` when given: an exported model's mean and std).
 
@@ -185,57 +196,66 @@ def build_test_transform(
     an image of that size untouched; grey images read as RGB have 3 equal
     channels, as the data sets serve them.
     """
-    name = resolve_data_name(cfg)
-    cpu = torch.device("cpu")
     if normalize is None:
-        normalize = build_normalizer(cfg, cpu)
-    steps = [_transform(cfg, name, train=False), normalize]
-    if name not in _IMAGE_FILES:
-        size = eval_sizes(cfg)[1]
+        normalize = build_normalizer(spec, torch.device("cpu"))
+    steps = [_transform(spec, train=False), normalize]
+    if spec.name not in _IMAGE_FILES:
+        size = eval_sizes(spec.transform)[1]
         fit = [v2.PILToTensor(), v2.Resize(size, antialias=True), v2.CenterCrop(size)]
         steps = fit + steps
     return v2.Compose(steps)
 
 
-def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
-    """The train or validation data set named by ``cfg.DATA.NAME`` (resolved)."""
-    name = cfg.DATA.NAME
-    transform = _transform(cfg, name, train, views=True)
+def build_dataset(spec: DataSpec, train: bool) -> Dataset:
+    """The train or validation data set named by ``spec.name`` (DATA.NAME)."""
+    name = spec.name
+    transform = _transform(spec, train, views=True)
     if name == "mnist5k":
         images, labels = ds.load_mnist5k(train)
         classes = [str(digit) for digit in range(10)]
         return ds.TensorImageDataset(images, labels, classes, transform)
     if name in ("cifar10", "cifar100"):
-        root = cfg.TRAIN.DATASET if train else cfg.TEST.DATASET
-        images, labels, classes = ds.load_cifar(name, root, train, cfg.DATA.DOWNLOAD)
+        root = spec.train_dataset if train else spec.test_dataset
+        images, labels, classes = ds.load_cifar(name, root, train, spec.download)
         return ds.TensorImageDataset(images, labels, classes, transform)
     if name == "imagefolder":
-        path, key = _image_folder(cfg, train)
-        reader = image_reader(cfg)
-        if cfg.DATA.DECODER == "gpu":  # the workers serve bytes and crop draws
-            transform = gpu_decode.DeferredTransform(transform)
-            reader = read_or_defer
-        elif train and cfg.DATA.DECODER == "fused":  # the crop window is decoded
-            reader = read_or_defer
-        dataset = ds.CheckedImageFolder(path, transform, key, reader)
-        _check_class_count(key, path, len(dataset.classes), cfg.MODEL.NUM_CLASSES)
-        return ds.SkipUnreadable(dataset) if cfg.DATA.SKIP_CORRUPT else dataset
+        return _image_folder_dataset(spec, train, transform)
     if name == "webdataset":
-        section = "TRAIN" if train else "TEST"
-        key = f"{section}.DATASET"
-        shards = open_shards(cfg[section].DATASET, key)
-        _check_class_count(key, shards.paths[0], len(shards.classes),
-                           cfg.MODEL.NUM_CLASSES)  # fmt: skip
-        decoder = ShardDecoder(shards, transform, _DecodeBytes(cfg, train),
-                               cfg.DATA.SKIP_CORRUPT)  # fmt: skip
-        return ShardedImages(shards, decoder)
+        return _shard_dataset(spec, train, transform)
     if name == "synthetic":
-        count = cfg.DATA.SYNTHETIC_SIZE[0 if train else 1]
-        seed = 0 if train else 1
-        return ds.SyntheticDataset(
-            count, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed, transform
-        )
+        count = spec.synthetic_size[0 if train else 1]
+        size, seed = spec.transform.im_size, 0 if train else 1
+        return ds.SyntheticDataset(count, size, spec.num_classes, seed, transform)
     raise ValueError(f"unknown DATA.NAME {name!r}")
+
+
+def _image_folder_dataset(
+    spec: DataSpec, train: bool, transform: v2.Transform
+) -> Dataset:
+    """The class folders of the train or val split, read by DATA.DECODER."""
+    path, key = _image_folder(spec, train)
+    reader = image_reader(spec.decoder)
+    if spec.decoder == "gpu":  # the workers serve bytes and crop draws
+        transform = gpu_decode.DeferredTransform(transform)
+        reader = read_or_defer
+    elif train and spec.decoder == "fused":  # the crop window is decoded
+        reader = read_or_defer
+    dataset = ds.CheckedImageFolder(path, transform, key, reader)
+    _check_class_count(key, path, len(dataset.classes), spec.num_classes)
+    return ds.SkipUnreadable(dataset) if spec.skip_corrupt else dataset
+
+
+def _shard_dataset(
+    spec: DataSpec, train: bool, transform: v2.Transform
+) -> ShardedImages:
+    """The WebDataset shards of TRAIN.DATASET or TEST.DATASET."""
+    key = "TRAIN.DATASET" if train else "TEST.DATASET"
+    shards = open_shards(spec.train_dataset if train else spec.test_dataset, key)
+    classes = len(shards.classes)
+    _check_class_count(key, shards.paths[0], classes, spec.num_classes)
+    decode = _DecodeBytes(spec.decoder, train)
+    decoder = ShardDecoder(shards, transform, decode, spec.skip_corrupt)
+    return ShardedImages(shards, decoder)
 
 
 class _DecodeBytes:
@@ -244,9 +264,9 @@ class _DecodeBytes:
     crop to decode its window, as :func:`~distribuuuu.data.jpeg.read_or_defer`
     leaves a file.  (A class, not a closure: loader workers unpickle it.)"""
 
-    def __init__(self, cfg: CfgNode, train: bool):
-        self.as_tensor = cfg.DATA.DECODER != "pil"  # fused and tensor decode alike
-        self.defer = train and cfg.DATA.DECODER == "fused"
+    def __init__(self, decoder: str, train: bool):
+        self.as_tensor = decoder != "pil"  # fused and tensor decode alike
+        self.defer = train and decoder == "fused"
 
     def __call__(self, data: bytes, name: str) -> torch.Tensor | Image.Image | JpegFile:
         image = jpeg_bytes(data, name) if self.defer else None
@@ -255,11 +275,12 @@ class _DecodeBytes:
         return image
 
 
-def _image_folder(cfg: CfgNode, train: bool) -> tuple[str, str]:
+def _image_folder(spec: DataSpec, train: bool) -> tuple[str, str]:
     """The folder of the train or val split and the config keys naming it."""
-    section = "TRAIN" if train else "TEST"
-    path = os.path.join(cfg[section].DATASET, cfg[section].SPLIT)
-    return path, f"{section}.DATASET/{section}.SPLIT"
+    if train:
+        path = os.path.join(spec.train_dataset, spec.train_split)
+        return path, "TRAIN.DATASET/TRAIN.SPLIT"
+    return os.path.join(spec.test_dataset, spec.test_split), "TEST.DATASET/TEST.SPLIT"
 
 
 def _check_class_count(key: str, path: str, classes: int, num_classes: int) -> None:
@@ -270,26 +291,27 @@ def _check_class_count(key: str, path: str, classes: int, num_classes: int) -> N
         )
 
 
-def check_data(cfg: CfgNode, replicas: int | None = None) -> None:
-    """Check the data a resolved cfg names before a run; raise a DataError.
+def check_data(spec: DataSpec, replicas: int | None = None, workers: int = 0) -> None:
+    """Check the data ``spec`` names before a run; raise a DataError.
 
     For webdataset: both shard patterns (see :func:`open_shards`), the same
     classes, no more than MODEL.NUM_CLASSES, and with ``replicas`` (data
-    parallel processes of a training run) a shard for each reader.
+    parallel processes of a training run) a shard for each reader (each of
+    the ``workers`` loader processes of a replica, TRAIN.WORKERS).
 
     For imagefolder: both splits have class folders, none of them empty, the
     same classes (labels follow the sorted class names), and no more classes
     than MODEL.NUM_CLASSES.  Cheap: it lists folders and stops at the first
     image file of each class; it does not open images.
     """
-    if cfg.DATA.NAME == "webdataset":
-        _check_shards(cfg, replicas)
-    if cfg.DATA.NAME != "imagefolder":
+    if spec.name == "webdataset":
+        _check_shards(spec, replicas, workers)
+    if spec.name != "imagefolder":
         return
-    train_path, train_key = _image_folder(cfg, True)
-    val_path, val_key = _image_folder(cfg, False)
+    train_path, train_key = _image_folder(spec, train=True)
+    val_path, val_key = _image_folder(spec, train=False)
     train_classes = ds.find_image_classes(train_path, train_key)
-    _check_class_count(train_key, train_path, len(train_classes), cfg.MODEL.NUM_CLASSES)
+    _check_class_count(train_key, train_path, len(train_classes), spec.num_classes)
     val_classes = ds.find_image_classes(val_path, val_key)
     different = sorted(set(train_classes) ^ set(val_classes))
     if different:
@@ -303,19 +325,19 @@ def check_data(cfg: CfgNode, replicas: int | None = None) -> None:
         )
 
 
-def _check_shards(cfg: CfgNode, replicas: int | None) -> None:
-    train = open_shards(cfg.TRAIN.DATASET, "TRAIN.DATASET")
-    val = open_shards(cfg.TEST.DATASET, "TEST.DATASET")
-    _check_class_count("TRAIN.DATASET", train.paths[0], len(train.classes),
-                       cfg.MODEL.NUM_CLASSES)  # fmt: skip
+def _check_shards(spec: DataSpec, replicas: int | None, workers: int) -> None:
+    train = open_shards(spec.train_dataset, "TRAIN.DATASET")
+    val = open_shards(spec.test_dataset, "TEST.DATASET")
+    classes = len(train.classes)
+    _check_class_count("TRAIN.DATASET", train.paths[0], classes, spec.num_classes)
     if train.classes != val.classes:
         raise DataError(
             f"TRAIN.DATASET and TEST.DATASET: the class lists beside "
             f"{train.paths[0]} and {val.paths[0]} differ; labels follow them, so "
             "both need the same"
         )
-    if replicas is not None and len(train.paths) < replicas * max(1, cfg.TRAIN.WORKERS):
-        raise DataError(shortage_message(train, replicas, cfg.TRAIN.WORKERS))
+    if replicas is not None and len(train.paths) < replicas * max(1, workers):
+        raise DataError(shortage_message(train, replicas, workers))
 
 
 def count_shard_samples(pattern: str) -> int:
@@ -335,18 +357,16 @@ def _seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
-def _loader_kwargs(cfg: CfgNode, device: torch.device) -> dict:
-    workers = cfg.TRAIN.WORKERS
+def _loader_kwargs(spec: LoaderSpec, device: torch.device) -> dict:
+    workers = spec.workers
     return {
         "num_workers": workers,
-        "pin_memory": cfg.TRAIN.PIN_MEMORY and device.type == "cuda",
+        "pin_memory": spec.pin_memory and device.type == "cuda",
         "persistent_workers": workers > 0,
         "worker_init_fn": _seed_worker if workers > 0 else None,
         # Never a fork of this (threaded) process: see data/workers.py.
         "multiprocessing_context": worker_context() if workers > 0 else None,
-        "collate_fn": (
-            gpu_decode.collate_encoded if cfg.DATA.DECODER == "gpu" else None
-        ),
+        "collate_fn": gpu_decode.collate_encoded if spec.decoder == "gpu" else None,
     }
 
 
@@ -386,8 +406,9 @@ class SeededDataset(Dataset):
 
 
 def build_train_loader(
-    cfg: CfgNode,
+    spec: LoaderSpec,
     dataset: Dataset,
+    *,
     rank: int,
     world_size: int,
     seed: int,
@@ -404,13 +425,20 @@ def build_train_loader(
     (see :class:`ResumableTrainSampler`).
     """
     if isinstance(dataset, ShardedImages):
-        stream = TrainStream(dataset, rank, world_size, seed, batch_size,
-                             cfg.TRAIN.WORKERS, cfg.DATA.SHUFFLE_BUFFER)  # fmt: skip
-        return ShardLoader(stream, _loader_kwargs(cfg, device))
-    repeats = cfg.DATA.REPEATED_AUG
+        stream = TrainStream(
+            dataset,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+            batch_size=batch_size,
+            workers=spec.workers,
+            buffer=spec.shuffle_buffer,
+        )
+        return ShardLoader(stream, _loader_kwargs(spec, device))
+    repeats = spec.repeated_aug
     sampler = ResumableTrainSampler(len(dataset), rank, world_size, seed, repeats)
     return _loader(
-        cfg,
+        spec,
         device,
         SeededDataset(dataset),
         batch_size=batch_size,
@@ -422,25 +450,29 @@ def build_train_loader(
 
 
 def build_test_loader(
-    cfg: CfgNode, dataset: Dataset, rank: int, world_size: int, device: torch.device
+    spec: LoaderSpec,
+    dataset: Dataset,
+    rank: int,
+    world_size: int,
+    device: torch.device,
 ) -> DataLoader | ShardLoader:
     """Evaluation loader that visits every sample exactly once across ranks."""
+    batch_size = spec.test_batch_size
     if isinstance(dataset, ShardedImages):
-        stream = EvalStream(dataset, rank, world_size, cfg.TEST.BATCH_SIZE,
-                            cfg.TRAIN.WORKERS)  # fmt: skip
-        return ShardLoader(stream, _loader_kwargs(cfg, device))
+        stream = EvalStream(dataset, rank, world_size, batch_size, spec.workers)
+        return ShardLoader(stream, _loader_kwargs(spec, device))
     return _loader(
-        cfg,
+        spec,
         device,
         dataset,
-        batch_size=cfg.TEST.BATCH_SIZE,
+        batch_size=batch_size,
         sampler=ExactShardSampler(len(dataset), rank, world_size),
     )
 
 
-def _loader(cfg: CfgNode, device: torch.device, dataset: Dataset, **options):
+def _loader(spec: LoaderSpec, device: torch.device, dataset: Dataset, **options):
     """The DataLoader of ``dataset``: a :class:`RingLoader` when workers
     collate images (all but DATA.DECODER gpu's JPEG bytes)."""
-    kwargs = {**_loader_kwargs(cfg, device), **options}
+    kwargs = {**_loader_kwargs(spec, device), **options}
     ring = kwargs["collate_fn"] is None and kwargs["num_workers"] > 0
     return (RingLoader if ring else DataLoader)(dataset, **kwargs)

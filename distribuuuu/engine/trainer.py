@@ -244,7 +244,7 @@ def build_teacher(cfg: CfgNode, device: torch.device) -> nn.Module | None:
         return None
     teacher = build_model(distill.ARCH, cfg.MODEL.NUM_CLASSES)
     cp.load_model_weights(teacher, cp.load_full(distill.WEIGHTS), distill.WEIGHTS)
-    teacher.requires_grad_(False)
+    teacher.requires_grad_(requires_grad=False)
     logger.info(
         "distillation: teacher %s from %s, %s, alpha %g, tau %g",
         distill.ARCH,

@@ -11,6 +11,7 @@ example's), within a tolerance of its own (:data:`onnx_model.ATOL`).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -18,10 +19,11 @@ from functools import partial
 import torch
 from torch import nn
 from torchvision.transforms import v2
-from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.data import build_dataset, build_normalizer, eval_sizes
+from distribuuuu.data.spec import DataSpec
+from distribuuuu.errors import MismatchError
 from distribuuuu.inference import onnx as onnx_model
 from distribuuuu.inference.read import load_for_inference
 from distribuuuu.models import build_model
@@ -33,10 +35,6 @@ EXAMPLE_BATCH, CHECK_BATCH = 2, 3
 # Batch sizes of the ONNX Runtime check on validation images: none is the
 # example's, so they prove the dynamic batch axis, down to a single image.
 ONNX_CHECK_BATCHES = (32, 31, 1)
-
-
-class MismatchError(RuntimeError):
-    """An exported artefact whose outputs differ from the eager model's."""
 
 
 def random_batch(batch: int, im_size: int, seed: int) -> torch.Tensor:
@@ -79,26 +77,24 @@ def write_exported_program(model: nn.Module, path: str, example: torch.Tensor):
 
 
 def validation_batches(
-    cfg: CfgNode, sizes: tuple[int, ...]
+    data: DataSpec, sizes: tuple[int, ...]
 ) -> tuple[list[torch.Tensor], str]:
-    """Batches of ``sizes`` normalised validation images of cfg's data set,
-    spread evenly over it, and what they are; random images (and why) when
-    the data set cannot be read here.  Nothing is downloaded."""
-    cfg = cfg.clone()
-    cfg.defrost()
-    cfg.DATA.DOWNLOAD = False
-    count, crop = sum(sizes), eval_sizes(cfg)[1]
+    """Batches of ``sizes`` normalised validation images of the data set
+    ``data``, spread evenly over it, and what they are; random images (and
+    why) when the data set cannot be read here.  Nothing is downloaded."""
+    data = dataclasses.replace(data, download=False)
+    count, crop = sum(sizes), eval_sizes(data.transform)[1]
     try:
-        dataset = build_dataset(cfg, train=False)
+        dataset = build_dataset(data, train=False)
         indices = torch.linspace(0, len(dataset) - 1, count).long().unique().tolist()
         if len(indices) < count:
             raise ValueError(f"it has {len(dataset)} images, fewer than {count}")
         # TEST.TTA's crop views are served at the resize: crop them to the input.
         images = torch.stack([dataset[i][0] for i in indices])
-        images = build_normalizer(cfg, torch.device("cpu"))(
+        images = build_normalizer(data, torch.device("cpu"))(
             v2.functional.center_crop(images, [crop, crop])
         )
-        source = f"validation images of {cfg.DATA.NAME}"
+        source = f"validation images of {data.name}"
     except Exception as error:  # a data set elsewhere, or unreadable, or small
         images = random_batch(count, crop, seed=1)
         reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -107,13 +103,14 @@ def validation_batches(
 
 
 def write_onnx(
-    model: nn.Module, cfg: CfgNode, proto, path: str, atol: float
+    model: nn.Module, data: DataSpec, proto, path: str, atol: float
 ) -> tuple[str, str, float, str]:
     """Write the exported ONNX model, check it with ONNX Runtime on validation
-    images; return ``("ONNX", path, max difference, what was compared)``."""
+    images of ``data``; return ``("ONNX", path, max difference, what was
+    compared)``."""
     onnx_model.write_model(proto, path)
     session, _ = onnx_model.load_session(path)
-    batches, source = validation_batches(cfg, ONNX_CHECK_BATCHES)
+    batches, source = validation_batches(data, ONNX_CHECK_BATCHES)
     difference, agree = onnx_model.compare(model, session, batches)
     count = sum(len(images) for images in batches)
     sizes = ", ".join(str(len(images)) for images in batches)
@@ -158,6 +155,7 @@ def write_and_compare(
 def export_weights(
     weights: str,
     out: str | None,
+    *,
     torchscript: str | None = None,
     torch_export: str | None = None,
     cfg_file: str | None = None,
@@ -181,15 +179,15 @@ def export_weights(
     Raises MismatchError at the first artefact whose outputs differ; an
     OnnxError (missing package, unsupported operator) before writing anything.
     """
-    model, cfg, classes = load_for_inference(weights, cfg_file, opts)
-    size = eval_sizes(cfg)[1]  # the size of the images inference sees
+    model, spec, classes = load_for_inference(weights, cfg_file, opts)
+    size = eval_sizes(spec.data.transform)[1]  # the images inference sees
     example = random_batch(EXAMPLE_BATCH, size, seed=0)
     check = random_batch(CHECK_BATCH, size, seed=1)
     with torch.no_grad():
         expected = model(check)
-    arch, num_classes = cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES
+    arch, num_classes = spec.arch, spec.num_classes
     if onnx:  # first: the errors it may raise come before any file is written
-        metadata = onnx_model.OnnxMetadata.from_cfg(cfg, classes)
+        metadata = onnx_model.OnnxMetadata.from_spec(spec, classes)
         proto = onnx_model.export_program(model, example, metadata)
     writers = [
         (
@@ -210,5 +208,5 @@ def export_weights(
     ]
     written = write_and_compare(writers, expected, check)
     if onnx:
-        written.append(write_onnx(model, cfg, proto, onnx, onnx_atol))
+        written.append(write_onnx(model, spec.data, proto, onnx, onnx_atol))
     return written

@@ -21,21 +21,21 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
-from distribuuuu.config import CHOICES, DATA_NAMES, get_cfg, resolve_data_name
+from distribuuuu.config import CHOICES, DATA_NAMES
 from distribuuuu.data import build_normalizer, build_test_transform, eval_sizes
+from distribuuuu.data.spec import DataSpec, TransformSpec
 from distribuuuu.data.transforms import INTERPOLATIONS, ToNormalizedFloat
-from distribuuuu.inference.onnx_checks import (
-    OnnxError,
-    check_model_bytes,
-    read_file,
-    require,
-)
+from distribuuuu.errors import OnnxError
+from distribuuuu.inference.onnx_checks import check_model_bytes, read_file, require
+
+if TYPE_CHECKING:  # imported for the annotations only
+    from distribuuuu.inference.read import InferenceSpec
 
 INPUT_NAME, OUTPUT_NAME = "images", "logits"
 # Largest accepted difference between ONNX Runtime's logits and PyTorch's.
@@ -66,20 +66,21 @@ class OnnxMetadata:
     std: tuple[float, float, float]
 
     @classmethod
-    def from_cfg(cls, cfg: CfgNode, classes: list[str]) -> OnnxMetadata:
-        """The metadata of a model trained with ``cfg``, classes ``classes``."""
-        normalizer = build_normalizer(cfg, torch.device("cpu"))
-        resize, crop = eval_sizes(cfg)
+    def from_spec(cls, spec: InferenceSpec, classes: list[str]) -> OnnxMetadata:
+        """The metadata of a model of ``spec`` with the classes ``classes``."""
+        data = spec.data
+        normalizer = build_normalizer(data, torch.device("cpu"))
+        resize, crop = eval_sizes(data.transform)
         return cls(
-            cfg.MODEL.ARCH,
-            tuple(classes),
-            resolve_data_name(cfg),
-            crop,
-            resize,
-            cfg.TEST.INTERPOLATION,
-            cfg.DATA.DECODER,
-            normalizer.mean,
-            normalizer.std,
+            arch=spec.arch,
+            classes=tuple(classes),
+            data_name=data.name,
+            input_size=crop,
+            resize=resize,
+            interpolation=data.transform.test_interpolation,
+            decoder=data.decoder,
+            mean=normalizer.mean,
+            std=normalizer.std,
         )
 
     def to_props(self) -> dict[str, str]:
@@ -103,34 +104,40 @@ class OnnxMetadata:
         the first bad one."""
         reader = _PropsReader(props, path)
         return cls(
-            reader.name("arch"),
-            tuple(reader.classes()),
-            reader.choice("data_name", _DATA_NAMES),
-            reader.size("input_size"),
-            reader.size("resize"),
-            reader.choice("interpolation", tuple(INTERPOLATIONS)),
-            reader.choice("decoder", _DECODERS),
-            reader.triple("mean", low=-1e3),
-            reader.triple("std", low=1e-6),
+            arch=reader.name("arch"),
+            classes=tuple(reader.classes()),
+            data_name=reader.choice("data_name", _DATA_NAMES),
+            input_size=reader.size("input_size"),
+            resize=reader.size("resize"),
+            interpolation=reader.choice("interpolation", tuple(INTERPOLATIONS)),
+            decoder=reader.choice("decoder", _DECODERS),
+            mean=reader.triple("mean", low=-1e3),
+            std=reader.triple("std", low=1e-6),
         )
 
-    def eval_cfg(self) -> CfgNode:
-        """A cfg whose evaluation transform and image reader are this file's."""
-        cfg = get_cfg()
-        cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES = self.arch, len(self.classes)
+    def data_spec(self) -> DataSpec:
+        """The evaluation side of this file's data set: how predicting reads
+        and transforms an image (its files, nothing else of the data set)."""
         # Files are read on the CPU here: gpu's pixels there are tensor's.
         decoder = "tensor" if self.decoder == "gpu" else self.decoder
-        cfg.DATA.NAME, cfg.DATA.DECODER = self.data_name, decoder
-        cfg.TRAIN.IM_SIZE = cfg.TEST.CROP_SIZE = self.input_size
-        cfg.TEST.IM_SIZE, cfg.TEST.CROP_PCT = self.resize, 0.0
-        cfg.TEST.INTERPOLATION = self.interpolation
-        cfg.freeze()
-        return cfg
+        sizes = TransformSpec(
+            im_size=self.input_size,
+            test_im_size=self.resize,
+            test_crop_size=self.input_size,
+            test_crop_pct=0.0,
+            test_interpolation=self.interpolation,
+        )
+        return DataSpec(
+            name=self.data_name,
+            transform=sizes,
+            num_classes=len(self.classes),
+            decoder=decoder,
+        )
 
     def eval_transform(self):
         """The evaluation transform of one image, normalised with mean and std."""
         normalize = ToNormalizedFloat(self.mean, self.std)
-        return build_test_transform(self.eval_cfg(), normalize)
+        return build_test_transform(self.data_spec(), normalize)
 
 
 def _is_name(value: object) -> bool:

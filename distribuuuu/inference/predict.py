@@ -16,12 +16,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from distribuuuu.data import (
-    DataError,
-    build_test_transform,
-    find_image_files,
-    image_reader,
-)
+from distribuuuu.data import build_test_transform, find_image_files, image_reader
+from distribuuuu.errors import DataError
 from distribuuuu.inference.onnx import load_session, run_session
 from distribuuuu.inference.read import load_for_inference
 
@@ -73,6 +69,7 @@ def format_line(path: str, top: list[tuple[str, float]], as_json: bool) -> str:
 def classify_images(
     weights: str,
     inputs: list[str],
+    *,
     device: str = "cpu",
     topk: int = 3,
     batch_size: int = 64,
@@ -89,16 +86,19 @@ def classify_images(
         cfg_file, opts: a yaml file and KEY VALUE pairs overriding the cfg that
             ``weights`` carries.
     """
-    model, cfg, classes = load_for_inference(weights, cfg_file, opts)
+    model, spec, classes = load_for_inference(weights, cfg_file, opts)
     paths = find_images(inputs)
     target = torch.device(device)
     model.to(target)
-    read, transform = image_reader(cfg), build_test_transform(cfg)
+    read = image_reader(spec.data.decoder)
+    transform = build_test_transform(spec.data)
 
     def classify(images: torch.Tensor) -> torch.Tensor:
         return model(images.to(target))
 
-    yield from _classify(classify, read, transform, classes, paths, topk, batch_size)
+    yield from _classify(
+        classify, read, transform, classes, paths, topk=topk, batch_size=batch_size
+    )
 
 
 def classify_images_onnx(
@@ -108,14 +108,15 @@ def classify_images_onnx(
     Runtime on the CPU; its classes and transforms come from its metadata."""
     session, metadata = load_session(path)
     paths = find_images(inputs)
-    read = image_reader(metadata.eval_cfg())
+    read = image_reader(metadata.data_spec().decoder)
     transform = metadata.eval_transform()
 
     def classify(images: torch.Tensor) -> torch.Tensor:
         return run_session(session, images)
 
+    classes = metadata.classes
     yield from _classify(
-        classify, read, transform, metadata.classes, paths, topk, batch_size
+        classify, read, transform, classes, paths, topk=topk, batch_size=batch_size
     )
 
 
@@ -125,6 +126,7 @@ def _classify(
     transform: Callable,
     classes: list[str] | tuple[str, ...],
     paths: list[str],
+    *,
     topk: int,
     batch_size: int,
 ) -> Iterator[tuple[str, list[tuple[str, float]]]]:

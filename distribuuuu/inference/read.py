@@ -3,7 +3,9 @@
 Shared by the tools that inspect, export and predict with trained weights.  A
 file is loaded with ``weights_only=True`` (see :func:`checkpoint.load_file`);
 its cfg is rebuilt from the defaults and the cfg dump it carries, so that the
-model and the evaluation transforms are those of the run that wrote it.
+model and the evaluation transforms are those of the run that wrote it.  This
+module is where that cfg stops: the other inference modules take what it
+turns it into (an :class:`InferenceSpec`, plain values).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,12 +22,20 @@ from yacs.config import CfgNode
 from distribuuuu import checkpoint as cp
 from distribuuuu.checkpoint.format import holds_optimizer, model_weights
 from distribuuuu.config import (
-    ConfigError,
+    diff_from_defaults,
     get_cfg,
     merge_from_file,
     merge_from_list,
     parse_yaml,
     resolve_data_name,
+)
+from distribuuuu.data.spec import DataSpec, TransformSpec
+from distribuuuu.data.transforms import CROP_MODES
+from distribuuuu.errors import (
+    CheckpointError,
+    ConfigError,
+    DamagedCheckpointError,
+    RefusedCheckpointError,
 )
 from distribuuuu.models import TIMM_EXTRA, build_model, is_model, timm_installed
 
@@ -35,10 +46,6 @@ KIND_STATE_DICT = "plain state_dict"
 
 # Lines of torch.load's weights-only errors that explain the option, not the file.
 _TORCH_LOAD_NOTES = ("Weights only load failed", "Please file an issue", "Check the")
-
-
-class CheckpointError(ValueError):
-    """A weights file that cannot be used; the message is one line naming it."""
 
 
 @dataclass
@@ -92,7 +99,7 @@ def read_checkpoint(path: str) -> Checkpoint:
         raise CheckpointError(f"{path}: {reason}")
     try:
         state = cp.load_full(path)
-    except (cp.RefusedCheckpointError, cp.DamagedCheckpointError) as error:
+    except (RefusedCheckpointError, DamagedCheckpointError) as error:
         raise CheckpointError(f"{path}: {error}") from None
     except Exception as error:  # torch.load raises many types for other files
         raise CheckpointError(f"{path}: {_refusal(error)}") from error
@@ -140,6 +147,37 @@ def checkpoint_cfg(ckpt: Checkpoint) -> CfgNode:
     return cfg
 
 
+def saved_model(ckpt: Checkpoint) -> tuple[str, int]:
+    """MODEL.ARCH and MODEL.NUM_CLASSES as the cfg dump of ``ckpt`` sets them
+    (:func:`checkpoint_cfg`: the defaults' where it has none)."""
+    cfg = checkpoint_cfg(ckpt)
+    return cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES
+
+
+def saved_cfg_diff(ckpt: Checkpoint) -> list[tuple[str, Any, Any, bool]] | None:
+    """The values of the cfg dump of ``ckpt`` that differ from the current
+    defaults, as ``(key, value, default, whether the defaults know the key)``;
+    None when it carries no cfg."""
+    saved = saved_cfg(ckpt)
+    if saved is None:
+        return None
+    defaults = get_cfg()
+    return [
+        (key, value, default, _has_key(defaults, key))
+        for key, value, default in diff_from_defaults(saved)
+    ]
+
+
+def _has_key(tree: CfgNode, key: str) -> bool:
+    """Whether the dotted ``key`` exists in ``tree``."""
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 def inference_cfg(
     ckpt: Checkpoint, cfg_file: str | None = None, opts: list[str] | None = None
 ) -> CfgNode:
@@ -161,6 +199,51 @@ def inference_cfg(
     return cfg
 
 
+def eval_data_spec(cfg: CfgNode) -> DataSpec:
+    """The evaluation side of an inference cfg's data set: what evaluating
+    reads, as ``distribuuuu.engine.specs.data_spec`` fills it (which this
+    floor cannot import); training's files and augmentations left off."""
+    test = cfg.TEST
+    transform = TransformSpec(
+        im_size=cfg.TRAIN.IM_SIZE,
+        test_im_size=test.IM_SIZE,
+        test_crop_size=test.CROP_SIZE,
+        test_crop_pct=test.CROP_PCT,
+        test_interpolation=test.INTERPOLATION,
+        device_crops=test.TTA in CROP_MODES,
+    )
+    return DataSpec(
+        name=resolve_data_name(cfg),
+        transform=transform,
+        num_classes=cfg.MODEL.NUM_CLASSES,
+        decoder=cfg.DATA.DECODER,
+        test_dataset=test.DATASET,
+        test_split=test.SPLIT,
+        download=cfg.DATA.DOWNLOAD,
+        skip_corrupt=cfg.DATA.SKIP_CORRUPT,
+        synthetic_size=tuple(cfg.DATA.SYNTHETIC_SIZE),
+    )
+
+
+@dataclass(frozen=True)
+class InferenceSpec:
+    """What exporting and predicting need of a run's cfg: the model and the
+    evaluation side of its data set (how images are read and transformed);
+    :func:`inference_spec` fills it."""
+
+    arch: str  # MODEL.ARCH
+    data: DataSpec  # its num_classes is MODEL.NUM_CLASSES
+
+    @property
+    def num_classes(self) -> int:
+        return self.data.num_classes
+
+
+def inference_spec(cfg: CfgNode) -> InferenceSpec:
+    """The inference spec of ``cfg`` (see :func:`inference_cfg`)."""
+    return InferenceSpec(arch=cfg.MODEL.ARCH, data=eval_data_spec(cfg))
+
+
 def class_names(ckpt: Checkpoint, num_classes: int) -> list[str]:
     """Names of the ``num_classes`` labels: the saved ``classes``, else "0", "1", ..."""
     saved = ckpt.get("classes")
@@ -180,9 +263,10 @@ def build_inference_model(ckpt: Checkpoint, cfg: CfgNode) -> nn.Module:
 
 def load_for_inference(
     path: str, cfg_file: str | None = None, opts: list[str] | None = None
-) -> tuple[nn.Module, CfgNode, list[str]]:
-    """The eval-mode model, cfg and class names of the weights file ``path``."""
+) -> tuple[nn.Module, InferenceSpec, list[str]]:
+    """The eval-mode model, inference spec and class names of the weights
+    file ``path`` (its cfg overridden by a yaml file and KEY VALUE ``opts``)."""
     ckpt = read_checkpoint(path)
     cfg = inference_cfg(ckpt, cfg_file, opts)
     model = build_inference_model(ckpt, cfg)
-    return model, cfg, class_names(ckpt, cfg.MODEL.NUM_CLASSES)
+    return model, inference_spec(cfg), class_names(ckpt, cfg.MODEL.NUM_CLASSES)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from torch import nn
 
 from distribuuuu.models import botnet, regularize, small, vit
+from distribuuuu.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -178,29 +179,30 @@ _OPTION_KEYS = {
 }
 
 
-def model_options(arch: str, model_cfg) -> dict:
+def model_options(spec: ModelSpec) -> dict:
     """The constructor arguments of MODEL.DROPOUT and MODEL.DROP_PATH for
-    ``arch`` (ValueError for a small model, which has no such layers)."""
-    library = model_library(arch)
+    ``spec.arch`` (ValueError for a small model, which has no such layers)."""
+    library = model_library(spec.arch)
     return regularize.constructor_options(
-        arch, model_cfg, small=library == "distribuuuu", timm=library == "timm"
+        spec, small=library == "distribuuuu", timm=library == "timm"
     )
 
 
-def build_configured(model_cfg, num_classes: int | None = None) -> nn.Module:
-    """The model of the MODEL section, with its regularisation keys applied."""
-    arch = model_cfg.ARCH
-    classes = model_cfg.NUM_CLASSES if num_classes is None else num_classes
+def build_configured(spec: ModelSpec, num_classes: int | None = None) -> nn.Module:
+    """The model of ``spec`` (the MODEL section), its regularisation applied;
+    ``num_classes`` replaces the spec's head size."""
+    arch = spec.arch
+    classes = spec.num_classes if num_classes is None else num_classes
+    options = model_options(spec)
     try:
-        model = build_model(arch, classes, model_cfg.PRETRAINED,
-                            **model_options(arch, model_cfg))  # fmt: skip
+        model = build_model(arch, classes, pretrained=spec.pretrained, **options)
     except TypeError as error:  # a constructor without that argument
         named = [key for arg, key in _OPTION_KEYS.items() if f"'{arg}'" in str(error)]
         key = named[0] if named else "DROPOUT or MODEL.DROP_PATH"
         raise ValueError(f"MODEL.{key}: {arch} has no such layers to set") from None
     library = model_library(arch)
     logger.info("model: %s built by %s", arch, library)
-    done = regularize.regularize(model, arch, model_cfg, timm=library == "timm")
+    done = regularize.regularize(model, spec, timm=library == "timm")
     if done:
         logger.info("model: %s", ", ".join(done))
     return model

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from yacs.config import CfgNode
+
+from distribuuuu.models.spec import ModelSpec
 
 
 def _is_torchvision_vit(arch: str, model: nn.Module | None = None) -> bool:
@@ -26,11 +27,11 @@ def _is_torchvision_vit(arch: str, model: nn.Module | None = None) -> bool:
     return arch.startswith("vit_")
 
 
-def constructor_options(arch: str, model_cfg: CfgNode, small: bool, timm: bool) -> dict:
+def constructor_options(spec: ModelSpec, small: bool, timm: bool) -> dict:
     """The constructor arguments that MODEL.DROPOUT and MODEL.DROP_PATH give
-    ``arch`` (a negative value keeps the model's own); ``small``: one of ours,
-    which has no such layers; ``timm``: built by timm."""
-    dropout, drop_path = model_cfg.DROPOUT, model_cfg.DROP_PATH
+    ``spec.arch`` (a negative value keeps the model's own); ``small``: one of
+    ours, which has no such layers; ``timm``: built by timm."""
+    arch, dropout, drop_path = spec.arch, spec.dropout, spec.drop_path
     for key, value in (("DROPOUT", dropout), ("DROP_PATH", drop_path)):
         if small and value >= 0:
             raise ValueError(f"MODEL.{key}: {arch} has no such layers to set")
@@ -68,22 +69,20 @@ def _has_drop_path(model: nn.Module) -> bool:
     )
 
 
-def regularize(
-    model: nn.Module, arch: str, model_cfg: CfgNode, timm: bool = False
-) -> list[str]:
-    """Set what the constructor could not on the built ``model``, check that
-    every key asked for found its layers; what was set, for the log
-    (``timm``: built by timm)."""
-    done = []
-    if model_cfg.DROP_PATH >= 0:
+def regularize(model: nn.Module, spec: ModelSpec, timm: bool = False) -> list[str]:
+    """Set what the constructor could not on the built ``model`` of
+    ``spec.arch``, check that every key asked for found its layers; what was
+    set, for the log (``timm``: built by timm)."""
+    arch, done = spec.arch, []
+    if spec.drop_path >= 0:
         if _is_torchvision_vit(arch, model):
-            _vit_drop_path(model, model_cfg.DROP_PATH)
-        timm_default = timm and model_cfg.DROP_PATH == 0
+            _vit_drop_path(model, spec.drop_path)
+        timm_default = timm and spec.drop_path == 0
         if not (_has_drop_path(model) or timm_default):
             raise ValueError(f"MODEL.DROP_PATH: {arch} has no stochastic depth")
-        done.append(f"drop path {model_cfg.DROP_PATH:g}")
-    if model_cfg.DROPOUT >= 0:
-        p = model_cfg.DROPOUT
+        done.append(f"drop path {spec.drop_path:g}")
+    if spec.dropout >= 0:
+        p = spec.dropout
         found = getattr(model, "drop_rate", None) == p or any(
             isinstance(m, nn.Dropout) and m.p == p for m in model.modules()
         )
@@ -91,8 +90,11 @@ def regularize(
             raise ValueError(f"MODEL.DROPOUT: {arch} has no dropout it sets")
         done.append(f"dropout {p:g}")
     norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
-    for key, attribute in (("BN_MOMENTUM", "momentum"), ("BN_EPS", "eps")):
-        value = model_cfg[key]
+    settings = [
+        ("BN_MOMENTUM", "momentum", spec.bn_momentum),
+        ("BN_EPS", "eps", spec.bn_eps),
+    ]
+    for key, attribute, value in settings:
         if value < 0:
             continue
         if not norms:

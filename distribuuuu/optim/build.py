@@ -7,7 +7,8 @@ always split them off, without trust ratio).  :func:`lr_at` gives the
 learning rate at a fractional epoch from the ``OPTIM.LR_POLICY`` function of
 :data:`LR_POLICY_FUNCTIONS`, times the linear warmup; the trainer sets it with
 :func:`set_lr` before every optimizer step (at the epoch :func:`lr_epoch`
-says).  :func:`reference_lr_scale` is the linear scaling rule.
+says).  :func:`reference_lr_scale` is the linear scaling rule.  What they
+read of the OPTIM section comes in :mod:`distribuuuu.optim.spec`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
-from yacs.config import CfgNode
 
 from distribuuuu.optim.optimizers import Lamb, Lars, RMSpropTF
+from distribuuuu.optim.spec import OptimizerSpec, ScheduleSpec
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def layer_scales(model: nn.Module, decay: float) -> dict[int, float]:
     }
 
 
-def build_param_groups(model: nn.Module, optim_cfg: CfgNode) -> list:
+def build_param_groups(model: nn.Module, spec: OptimizerSpec) -> list:
     """The optimizer's parameters: one list, or groups.
 
     With ``OPTIM.NO_DECAY_NORM_BIAS`` the decayed parameters, then those with
@@ -99,19 +100,19 @@ def build_param_groups(model: nn.Module, optim_cfg: CfgNode) -> list:
     none of the three, the trainable parameters as one list, as before the
     switches existed.
     """
-    trust = optim_cfg.OPTIMIZER in TRUST_RATIO
-    split = optim_cfg.NO_DECAY_NORM_BIAS or trust
-    layered = optim_cfg.LAYER_DECAY < 1
+    trust = spec.name in TRUST_RATIO
+    split = spec.no_decay_norm_bias or trust
+    layered = spec.layer_decay < 1
     if not (split or layered):
         return [p for p in model.parameters() if p.requires_grad]
     decay, no_decay = split_weight_decay(model)
     plain: dict = {}
-    if optim_cfg.NO_DECAY_NORM_BIAS:
+    if spec.no_decay_norm_bias:
         plain["weight_decay"] = 0.0
     if trust:
         plain["trust_ratio"] = False
     kinds = [(decay, {}), (no_decay, plain)] if split else [(decay + no_decay, {})]
-    scales = layer_scales(model, optim_cfg.LAYER_DECAY) if layered else {}
+    scales = layer_scales(model, spec.layer_decay) if layered else {}
     groups: list[dict] = []
     for params, options in kinds:
         by_scale: dict[float, dict] = {}
@@ -125,67 +126,67 @@ def build_param_groups(model: nn.Module, optim_cfg: CfgNode) -> list:
     return groups
 
 
-def _sgd(params: list, optim_cfg: CfgNode) -> torch.optim.Optimizer:
+def _sgd(params: list, spec: OptimizerSpec) -> torch.optim.Optimizer:
     """SGD with the original Distribuuuu keys."""
     return torch.optim.SGD(
         params,
-        lr=optim_cfg.BASE_LR,
-        momentum=optim_cfg.MOMENTUM,
-        dampening=optim_cfg.DAMPENING,
-        nesterov=optim_cfg.NESTEROV,
-        weight_decay=optim_cfg.WEIGHT_DECAY,
+        lr=spec.base_lr,
+        momentum=spec.momentum,
+        dampening=spec.dampening,
+        nesterov=spec.nesterov,
+        weight_decay=spec.weight_decay,
     )
 
 
-def _adamw(params: list, optim_cfg: CfgNode) -> torch.optim.Optimizer:
+def _adamw(params: list, spec: OptimizerSpec) -> torch.optim.Optimizer:
     """AdamW (Loshchilov & Hutter 2019): weight decay decoupled from the gradient."""
-    beta1, beta2 = optim_cfg.BETAS
+    beta1, beta2 = spec.betas
     return torch.optim.AdamW(
         params,
-        lr=optim_cfg.BASE_LR,
+        lr=spec.base_lr,
         betas=(float(beta1), float(beta2)),
-        eps=optim_cfg.EPS,
-        weight_decay=optim_cfg.WEIGHT_DECAY,
+        eps=spec.eps,
+        weight_decay=spec.weight_decay,
     )
 
 
-def _rmsprop(params: list, optim_cfg: CfgNode) -> torch.optim.Optimizer:
+def _rmsprop(params: list, spec: OptimizerSpec) -> torch.optim.Optimizer:
     """TensorFlow's RMSProp (EfficientNet's optimizer)."""
     return RMSpropTF(
         params,
-        lr=optim_cfg.BASE_LR,
-        alpha=optim_cfg.RMSPROP_ALPHA,
-        eps=optim_cfg.EPS,
-        momentum=optim_cfg.MOMENTUM,
-        weight_decay=optim_cfg.WEIGHT_DECAY,
+        lr=spec.base_lr,
+        alpha=spec.rmsprop_alpha,
+        eps=spec.eps,
+        momentum=spec.momentum,
+        weight_decay=spec.weight_decay,
     )
 
 
-def _lamb(params: list, optim_cfg: CfgNode) -> torch.optim.Optimizer:
+def _lamb(params: list, spec: OptimizerSpec) -> torch.optim.Optimizer:
     """LAMB: AdamW's update scaled per tensor by its trust ratio."""
-    beta1, beta2 = optim_cfg.BETAS
+    beta1, beta2 = spec.betas
     return Lamb(
         params,
-        lr=optim_cfg.BASE_LR,
+        lr=spec.base_lr,
         betas=(float(beta1), float(beta2)),
-        eps=optim_cfg.EPS,
-        weight_decay=optim_cfg.WEIGHT_DECAY,
+        eps=spec.eps,
+        weight_decay=spec.weight_decay,
     )
 
 
-def _lars(params: list, optim_cfg: CfgNode) -> torch.optim.Optimizer:
+def _lars(params: list, spec: OptimizerSpec) -> torch.optim.Optimizer:
     """LARS: momentum SGD with a per-tensor local learning rate."""
     return Lars(
         params,
-        lr=optim_cfg.BASE_LR,
-        momentum=optim_cfg.MOMENTUM,
-        weight_decay=optim_cfg.WEIGHT_DECAY,
-        eta=optim_cfg.LARS_ETA,
+        lr=spec.base_lr,
+        momentum=spec.momentum,
+        weight_decay=spec.weight_decay,
+        eta=spec.lars_eta,
     )
 
 
-# OPTIM.OPTIMIZER -> constructor from (parameters or groups, OPTIM section).
-OPTIMIZERS: dict[str, Callable[[list, CfgNode], torch.optim.Optimizer]] = {
+# OPTIM.OPTIMIZER -> constructor from (parameters or groups, spec).
+OPTIMIZERS: dict[str, Callable[[list, OptimizerSpec], torch.optim.Optimizer]] = {
     "sgd": _sgd,
     "adamw": _adamw,
     "rmsprop": _rmsprop,
@@ -194,12 +195,12 @@ OPTIMIZERS: dict[str, Callable[[list, CfgNode], torch.optim.Optimizer]] = {
 }
 
 
-def state_tensors(optim_cfg: CfgNode) -> int:
+def state_tensors(spec: OptimizerSpec) -> int:
     """Tensors of optimizer state per parameter tensor (the size of memory
-    that OPTIM's optimizer keeps, in parameters)."""
-    if optim_cfg.OPTIMIZER == "sgd":
-        return int(optim_cfg.MOMENTUM > 0)
-    return {"adamw": 2, "rmsprop": 2, "lamb": 2, "lars": 1}[optim_cfg.OPTIMIZER]
+    that the optimizer keeps, in parameters)."""
+    if spec.name == "sgd":
+        return int(spec.momentum > 0)
+    return {"adamw": 2, "rmsprop": 2, "lamb": 2, "lars": 1}[spec.name]
 
 
 def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:
@@ -215,12 +216,12 @@ def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:
     return f"{len(parts)} parameter group(s): " + "; ".join(parts)
 
 
-def build_optimizer(model: nn.Module, optim_cfg: CfgNode) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
     """The ``OPTIM.OPTIMIZER`` over the trainable parameters; logs its groups."""
-    name = optim_cfg.OPTIMIZER
+    name = spec.name
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown OPTIM.OPTIMIZER {name!r}")
-    optimizer = OPTIMIZERS[name](build_param_groups(model, optim_cfg), optim_cfg)
+    optimizer = OPTIMIZERS[name](build_param_groups(model, spec), spec)
     logger.info("optimizer %s, %s", name, describe_param_groups(optimizer))
     return optimizer
 
@@ -230,30 +231,30 @@ def _anneal(start: float, end: float, fraction: float) -> float:
     return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * fraction))
 
 
-def cos_lr(optim_cfg: CfgNode, epoch: float) -> float:
+def cos_lr(spec: ScheduleSpec, epoch: float) -> float:
     """Cosine from BASE_LR (epoch 0) to MIN_LR (MAX_EPOCH and after)."""
-    progress = min(epoch / optim_cfg.MAX_EPOCH, 1.0)
-    return _anneal(optim_cfg.BASE_LR, optim_cfg.MIN_LR, progress)
+    progress = min(epoch / spec.max_epoch, 1.0)
+    return _anneal(spec.base_lr, spec.min_lr, progress)
 
 
-def steps_lr(optim_cfg: CfgNode, epoch: float) -> float:
+def steps_lr(spec: ScheduleSpec, epoch: float) -> float:
     """BASE_LR * LR_MULT ** (number of STEPS <= epoch)."""
-    passed = sum(1 for step in optim_cfg.STEPS if epoch >= step)
-    return optim_cfg.BASE_LR * optim_cfg.LR_MULT**passed
+    passed = sum(1 for step in spec.steps if epoch >= step)
+    return spec.base_lr * spec.lr_mult**passed
 
 
-def exp_lr(optim_cfg: CfgNode, epoch: float) -> float:
+def exp_lr(spec: ScheduleSpec, epoch: float) -> float:
     """BASE_LR * LR_GAMMA ** epoch, continuous in the fractional epoch."""
-    return optim_cfg.BASE_LR * optim_cfg.LR_GAMMA**epoch
+    return spec.base_lr * spec.lr_gamma**epoch
 
 
-def linear_lr(optim_cfg: CfgNode, epoch: float) -> float:
+def linear_lr(spec: ScheduleSpec, epoch: float) -> float:
     """Straight line from BASE_LR (epoch 0) to MIN_LR (MAX_EPOCH and after)."""
-    progress = min(epoch / optim_cfg.MAX_EPOCH, 1.0)
-    return optim_cfg.BASE_LR + (optim_cfg.MIN_LR - optim_cfg.BASE_LR) * progress
+    progress = min(epoch / spec.max_epoch, 1.0)
+    return spec.base_lr + (spec.min_lr - spec.base_lr) * progress
 
 
-def onecycle_lr(optim_cfg: CfgNode, epoch: float) -> float:
+def onecycle_lr(spec: ScheduleSpec, epoch: float) -> float:
     """One cycle: a cosine rise to BASE_LR, then a cosine fall to MIN_LR.
 
     From BASE_LR / ONECYCLE_DIV_FACTOR at epoch 0 to BASE_LR at epoch
@@ -261,16 +262,16 @@ def onecycle_lr(optim_cfg: CfgNode, epoch: float) -> float:
     OneCycleLR with anneal_strategy "cos" in continuous epochs, ending at
     MIN_LR instead of a divided initial rate.
     """
-    peak = optim_cfg.ONECYCLE_PCT_START * optim_cfg.MAX_EPOCH
+    peak = spec.onecycle_pct_start * spec.max_epoch
     if epoch < peak:
-        start = optim_cfg.BASE_LR / optim_cfg.ONECYCLE_DIV_FACTOR
-        return _anneal(start, optim_cfg.BASE_LR, epoch / peak)
-    progress = min((epoch - peak) / (optim_cfg.MAX_EPOCH - peak), 1.0)
-    return _anneal(optim_cfg.BASE_LR, optim_cfg.MIN_LR, progress)
+        start = spec.base_lr / spec.onecycle_div_factor
+        return _anneal(start, spec.base_lr, epoch / peak)
+    progress = min((epoch - peak) / (spec.max_epoch - peak), 1.0)
+    return _anneal(spec.base_lr, spec.min_lr, progress)
 
 
 # OPTIM.LR_POLICY -> learning rate at a fractional epoch, before warmup.
-LR_POLICY_FUNCTIONS: dict[str, Callable[[CfgNode, float], float]] = {
+LR_POLICY_FUNCTIONS: dict[str, Callable[[ScheduleSpec, float], float]] = {
     "cos": cos_lr,
     "steps": steps_lr,
     "exp": exp_lr,
@@ -279,39 +280,39 @@ LR_POLICY_FUNCTIONS: dict[str, Callable[[CfgNode, float], float]] = {
 }
 
 
-def lr_at(optim_cfg: CfgNode, epoch: float) -> float:
+def lr_at(spec: ScheduleSpec, epoch: float) -> float:
     """Learning rate at fractional ``epoch`` (e.g. 2.5 = half-way through epoch 2).
 
     The ``OPTIM.LR_POLICY`` function of :data:`LR_POLICY_FUNCTIONS`; during the
     first WARMUP_EPOCHS it is multiplied by a factor rising linearly from
     WARMUP_FACTOR to 1 (every policy, onecycle included).
     """
-    policy = LR_POLICY_FUNCTIONS.get(optim_cfg.LR_POLICY)
+    policy = LR_POLICY_FUNCTIONS.get(spec.policy)
     if policy is None:
-        raise ValueError(f"unknown OPTIM.LR_POLICY {optim_cfg.LR_POLICY!r}")
-    lr = policy(optim_cfg, epoch)
-    if epoch < optim_cfg.WARMUP_EPOCHS:
-        alpha = epoch / optim_cfg.WARMUP_EPOCHS
-        lr *= optim_cfg.WARMUP_FACTOR * (1.0 - alpha) + alpha
+        raise ValueError(f"unknown OPTIM.LR_POLICY {spec.policy!r}")
+    lr = policy(spec, epoch)
+    if epoch < spec.warmup_epochs:
+        alpha = epoch / spec.warmup_epochs
+        lr *= spec.warmup_factor * (1.0 - alpha) + alpha
     return lr
 
 
-def reference_lr_scale(optim_cfg: CfgNode, global_batch: int) -> float:
+def reference_lr_scale(spec: ScheduleSpec, global_batch: int) -> float:
     """Linear scaling rule: global_batch / REFERENCE_BATCH (1.0 when it is 0).
 
     Goyal et al. 2017 ("Accurate, Large Minibatch SGD"): BASE_LR is then the
     learning rate of REFERENCE_BATCH images.
     """
-    if optim_cfg.REFERENCE_BATCH <= 0:
+    if spec.reference_batch <= 0:
         return 1.0
-    return global_batch / optim_cfg.REFERENCE_BATCH
+    return global_batch / spec.reference_batch
 
 
-def lr_epoch(optim_cfg: CfgNode, epoch: int, fraction: float) -> float:
+def lr_epoch(spec: ScheduleSpec, epoch: int, fraction: float) -> float:
     """Where in the schedule a step ``fraction`` of the way into ``epoch``
     takes its learning rate: there (``OPTIM.LR_STEP iter``), or at the
     epoch's start (``epoch``, as timm's and torchvision's scripts step it)."""
-    return epoch + fraction if optim_cfg.LR_STEP == "iter" else float(epoch)
+    return epoch + fraction if spec.step == "iter" else float(epoch)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -12,6 +12,7 @@ import torch
 from helpers import REPO, call_main
 
 from distribuuuu.config import load_cfg
+from distribuuuu.engine.specs import model_spec
 from distribuuuu.models import build_configured, model_library
 
 CONFIGS = os.path.join(REPO, "tests", "fixtures", "distribuuuu_eaaa922")
@@ -50,7 +51,7 @@ def test_an_original_config_prints_and_builds_its_model(name, imagenet_cwd):
     cfg = load_cfg(path)
     assert model_library(cfg.MODEL.ARCH) == library
     with torch.device("meta"):  # the layers without memory or initialisation
-        model = build_configured(cfg.MODEL)
+        model = build_configured(model_spec(cfg))
     count = sum(p.numel() for p in model.parameters()) / 1e6
     if name == "botnet50":  # ours, written from the paper: 20.852
         assert count == pytest.approx(millions, rel=0.001)

@@ -18,6 +18,7 @@ from distribuuuu.data import (
 )
 from distribuuuu.data.batch_ring import BatchRing, RingLoader
 from distribuuuu.data.datasets import SyntheticDataset
+from distribuuuu.engine.specs import data_spec, loader_spec
 
 BATCH = 4
 
@@ -28,9 +29,17 @@ def _loaders(workers: int = 2):
     words = ["MODEL.DUMMY_INPUT", "True", "DATA.SYNTHETIC_SIZE", "[48, 8]"]
     words += ["TRAIN.IM_SIZE", "24", "TRAIN.WORKERS", str(workers)]
     cfg = load_cfg(None, words)
-    dataset = build_dataset(cfg, train=True)
+    dataset = build_dataset(data_spec(cfg), train=True)
     cpu = torch.device("cpu")
-    loader = build_train_loader(cfg, dataset, 0, 1, 7, cpu, batch_size=BATCH)
+    loader = build_train_loader(
+        loader_spec(cfg),
+        dataset,
+        rank=0,
+        world_size=1,
+        seed=7,
+        device=cpu,
+        batch_size=BATCH,
+    )
     reference = DataLoader(
         loader.dataset, batch_size=BATCH, sampler=loader.sampler, drop_last=True
     )
@@ -118,8 +127,8 @@ def test_the_evaluation_loader_gives_torchs_batches_short_last_one_too():
     words = ["MODEL.DUMMY_INPUT", "True", "DATA.SYNTHETIC_SIZE", "[8, 11]"]
     words += ["TEST.BATCH_SIZE", "4", "TRAIN.WORKERS", "2"]
     cfg = load_cfg(None, words)
-    dataset = build_dataset(cfg, train=False)
-    loader = build_test_loader(cfg, dataset, 0, 1, torch.device("cpu"))
+    dataset = build_dataset(data_spec(cfg), train=False)
+    loader = build_test_loader(loader_spec(cfg), dataset, 0, 1, torch.device("cpu"))
     assert isinstance(loader, RingLoader)
     expected = list(DataLoader(dataset, batch_size=4))
     for _ in range(2):

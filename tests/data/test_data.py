@@ -30,6 +30,7 @@ from distribuuuu.data.samplers import (
     ResumableTrainSampler,
     sample_seed,
 )
+from distribuuuu.engine.specs import data_spec, loader_spec, transform_spec
 
 
 def test_mnist5k_split_is_fixed_balanced_and_disjoint():
@@ -47,10 +48,12 @@ def test_mnist5k_split_is_fixed_balanced_and_disjoint():
 
 def test_mnist5k_samples_are_three_channel_uint8_normalised_on_the_device():
     cfg = load_cfg()
-    image, label = build_dataset(cfg, train=False)[0]
+    image, label = build_dataset(data_spec(cfg), train=False)[0]
     assert image.shape == (3, 28, 28) and image.dtype == torch.uint8
     assert 0 <= label < 10
-    normalize = build_normalizer(cfg, torch.device("cpu"), channels_last=True)
+    normalize = build_normalizer(
+        data_spec(cfg), torch.device("cpu"), channels_last=True
+    )
     batch = normalize(torch.stack([image, image]))
     assert batch.dtype == torch.float32 and batch.shape == (2, 3, 28, 28)
     assert batch.is_contiguous(memory_format=torch.channels_last)
@@ -68,7 +71,7 @@ def test_uint8_pipeline_matches_torchvisions_float_one_with_erasing():
     the same random numbers; erased pixels differ by the mean's rounding."""
     words = ["MODEL.DUMMY_INPUT", "True", "TRAIN.IM_SIZE", "32", "TEST.IM_SIZE", "32"]
     cfg = load_cfg(None, [*words, "DATA.RANDOM_ERASING", "1.0"])
-    dataset = build_dataset(cfg, train=True)
+    dataset = build_dataset(data_spec(cfg), train=True)
     raw = SyntheticDataset(len(dataset), 32, cfg.MODEL.NUM_CLASSES)
     reference = v2.Compose([
         v2.RandomCrop(32, padding=4),
@@ -77,7 +80,7 @@ def test_uint8_pipeline_matches_torchvisions_float_one_with_erasing():
         v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         v2.RandomErasing(p=1.0),
     ])  # fmt: skip
-    normalize = build_normalizer(cfg, torch.device("cpu"))
+    normalize = build_normalizer(data_spec(cfg), torch.device("cpu"))
     for index in range(4):
         torch.manual_seed(index)
         ours = normalize(dataset[index][0])
@@ -91,10 +94,10 @@ def test_uint8_pipeline_matches_torchvisions_float_one_with_erasing():
 
 def test_test_transform_takes_a_pil_image_to_the_models_input():
     cfg = load_cfg()
-    image, _ = build_dataset(cfg, train=False)[5]
+    image, _ = build_dataset(data_spec(cfg), train=False)[5]
     picture = Image.fromarray(image[0].numpy(), mode="L").convert("RGB")
-    expected = build_normalizer(cfg, torch.device("cpu"))(image)
-    assert torch.equal(build_test_transform(cfg)(picture), expected)
+    expected = build_normalizer(data_spec(cfg), torch.device("cpu"))(image)
+    assert torch.equal(build_test_transform(data_spec(cfg))(picture), expected)
 
 
 @pytest.mark.parametrize("size", [7, 10, 1000, 1001])
@@ -123,12 +126,23 @@ def test_loaders_shard_without_overlap():
             "4",
         ],
     )
-    train_set = build_dataset(cfg, train=True)
-    val_set = build_dataset(cfg, train=False)
+    train_set = build_dataset(data_spec(cfg), train=True)
+    val_set = build_dataset(data_spec(cfg), train=False)
     cpu = torch.device("cpu")
-    counts = [len(build_test_loader(cfg, val_set, r, 3, cpu).sampler) for r in range(3)]
+    counts = [
+        len(build_test_loader(loader_spec(cfg), val_set, r, 3, cpu).sampler)
+        for r in range(3)
+    ]
     assert sum(counts) == 11
-    loader = build_train_loader(cfg, train_set, 1, 2, seed=3, device=cpu, batch_size=4)
+    loader = build_train_loader(
+        loader_spec(cfg),
+        train_set,
+        rank=1,
+        world_size=2,
+        seed=3,
+        device=cpu,
+        batch_size=4,
+    )
     loader.sampler.set_epoch(0)
     first = list(loader.sampler)
     loader.sampler.set_epoch(1)
@@ -158,7 +172,7 @@ def test_train_order_resumes_on_any_world_size(size):
 
 def test_augmentation_depends_on_seed_epoch_and_index_only():
     cfg = load_cfg()
-    dataset = SeededDataset(build_dataset(cfg, train=True))
+    dataset = SeededDataset(build_dataset(data_spec(cfg), train=True))
     a = dataset[(7, sample_seed(1, 0, 7))][0]
     torch.rand(100)  # disturbing the global generator changes nothing
     assert torch.equal(a, dataset[(7, sample_seed(1, 0, 7))][0])
@@ -169,8 +183,8 @@ def test_synthetic_images_are_deterministic():
     cfg = load_cfg(
         None, ["MODEL.DUMMY_INPUT", "True", "TRAIN.IM_SIZE", "32", "TEST.IM_SIZE", "32"]
     )
-    a = build_dataset(cfg, train=False)
-    b = build_dataset(cfg, train=False)
+    a = build_dataset(data_spec(cfg), train=False)
+    b = build_dataset(data_spec(cfg), train=False)
     assert torch.equal(a[3][0], b[3][0]) and a[3][1] == b[3][1]
     assert a[3][0].shape == (3, 32, 32)
 
@@ -197,7 +211,10 @@ def test_imagefolder_reads_each_split_from_its_own_key(tmp_path):
             "2",
         ],
     )
-    train_set, val_set = build_dataset(cfg, True), build_dataset(cfg, False)
+    train_set, val_set = (
+        build_dataset(data_spec(cfg), train=True),
+        build_dataset(data_spec(cfg), train=False),
+    )
     assert (len(train_set), len(val_set)) == (6, 4)
     assert train_set.classes == ["cat", "dog"]
     assert train_set[0][0].shape == (3, 32, 32) and val_set[0][0].shape == (3, 32, 32)
@@ -227,8 +244,8 @@ def _folder_cfg(root, decoder: str):
 def test_tensor_decoder_draws_the_same_augmentation_as_pil(tmp_path):
     _jpeg_folder(tmp_path / "train")
     tensor_cfg, pil_cfg = _folder_cfg(tmp_path, "tensor"), _folder_cfg(tmp_path, "pil")
-    fast = SeededDataset(build_dataset(tensor_cfg, train=True))
-    classic = SeededDataset(build_dataset(pil_cfg, train=True))
+    fast = SeededDataset(build_dataset(data_spec(tensor_cfg), train=True))
+    classic = SeededDataset(build_dataset(data_spec(pil_cfg), train=True))
     for index in range(4):
         seed = sample_seed(3, 0, index)
         image, label = fast[(index, seed)]
@@ -240,8 +257,8 @@ def test_tensor_decoder_draws_the_same_augmentation_as_pil(tmp_path):
         assert (image.float() - reference.float()).abs().mean() < 1.2
         other = classic[(index, sample_seed(3, 1, index))][0]
         assert (other.float() - reference.float()).abs().mean() > 12  # another crop
-    val_fast = build_dataset(tensor_cfg, train=False)[1][0]
-    val_classic = build_dataset(pil_cfg, train=False)[1][0]
+    val_fast = build_dataset(data_spec(tensor_cfg), train=False)[1][0]
+    val_classic = build_dataset(data_spec(pil_cfg), train=False)[1][0]
     assert (val_fast.float() - val_classic.float()).abs().mean() < 1.2
 
 
@@ -251,15 +268,19 @@ def test_predict_pipeline_gives_the_evaluation_input(tmp_path, decoder):
     evaluation, bit for bit, with either decoder."""
     _jpeg_folder(tmp_path / "train")
     cfg = _folder_cfg(tmp_path, decoder)
-    val_set = build_dataset(cfg, train=False)
-    normalize = build_normalizer(cfg, torch.device("cpu"))
-    read, transform = image_reader(cfg), build_test_transform(cfg)
+    val_set = build_dataset(data_spec(cfg), train=False)
+    normalize = build_normalizer(data_spec(cfg), torch.device("cpu"))
+    read, transform = (
+        image_reader(data_spec(cfg).decoder),
+        build_test_transform(data_spec(cfg)),
+    )
     for (path, _), (image, _) in zip(val_set.samples, val_set):
         assert torch.equal(transform(read(path)), normalize(image))
 
 
 def test_tensor_decoder_reads_other_formats_and_names_a_damaged_file(tmp_path):
-    from distribuuuu.data.image_files import DataError, decode_image_file, load_image
+    from distribuuuu.data.image_files import decode_image_file, load_image
+    from distribuuuu.errors import DataError
 
     image = Image.new("RGB", (30, 20), (200, 30, 90))
     image.putpixel((3, 4), (0, 255, 0))
@@ -296,20 +317,23 @@ def test_fixres_evaluates_a_larger_crop_than_training():
     """torchvision's ResNet-50 recipe: train 176, evaluate 224 crops of 232."""
     keys = ["DATA.NAME", "imagefolder", "TRAIN.IM_SIZE", "176", "TEST.IM_SIZE"]
     cfg = _cfg(*keys, "232", "TEST.CROP_SIZE", "224")
-    assert eval_sizes(cfg) == (232, 224)
-    assert build_test_transform(cfg)(_picture()).shape == (3, 224, 224)
+    assert eval_sizes(transform_spec(cfg)) == (232, 224)
+    assert build_test_transform(data_spec(cfg))(_picture()).shape == (3, 224, 224)
     cfg = _cfg(*keys, "232")  # no crop size: the training size
-    assert build_test_transform(cfg)(_picture()).shape == (3, 176, 176)
+    assert build_test_transform(data_spec(cfg))(_picture()).shape == (3, 176, 176)
 
 
 def test_crop_pct_gives_the_resize():
     keys = ["DATA.NAME", "imagefolder", "TRAIN.IM_SIZE", "224", "TEST.IM_SIZE"]
     cfg = _cfg(*keys, "224", "TEST.CROP_PCT", "0.875")
-    assert eval_sizes(cfg) == (256, 224)  # floor(224 / 0.875), TEST.IM_SIZE unused
+    assert eval_sizes(transform_spec(cfg)) == (
+        256,
+        224,
+    )  # floor(224 / 0.875), TEST.IM_SIZE unused
     same = _cfg(*keys, "256")
     picture = _picture()
-    assert torch.equal(build_test_transform(cfg)(picture),
-                       build_test_transform(same)(picture))  # fmt: skip
+    assert torch.equal(build_test_transform(data_spec(cfg))(picture),
+                       build_test_transform(data_spec(same))(picture))  # fmt: skip
 
 
 def test_bicubic_and_bilinear_resample_differently():
@@ -317,14 +341,14 @@ def test_bicubic_and_bilinear_resample_differently():
     noise = torch.randint(0, 256, (300, 400, 3), dtype=torch.uint8,
                           generator=torch.Generator().manual_seed(0))  # fmt: skip
     picture = Image.fromarray(noise.numpy())
-    bilinear = build_test_transform(_cfg(*keys))(picture)
+    bilinear = build_test_transform(data_spec(_cfg(*keys)))(picture)
     bicubic = _cfg(*keys, "TEST.INTERPOLATION", "bicubic")
-    assert not torch.equal(build_test_transform(bicubic)(picture), bilinear)
+    assert not torch.equal(build_test_transform(data_spec(bicubic))(picture), bilinear)
 
 
 def test_digits_evaluate_at_the_crop_size():
     cfg = load_cfg(None, ["TEST.CROP_SIZE", "32", "TEST.IM_SIZE", "32"])
-    image, _ = build_dataset(cfg, train=False)[0]
+    image, _ = build_dataset(data_spec(cfg), train=False)[0]
     assert image.shape == (3, 32, 32)
 
 
@@ -340,7 +364,7 @@ def test_digits_evaluate_at_the_crop_size():
 )
 def test_hflip_probability(keys, expected):
     cfg = load_cfg(None, keys) if "imagefolder" not in keys else _cfg(*keys)
-    assert flip_probability(cfg, resolve_data_name(cfg)) == expected
+    assert flip_probability(transform_spec(cfg), resolve_data_name(cfg)) == expected
 
 
 def test_hflip_one_always_mirrors_the_training_images():
@@ -356,4 +380,4 @@ def test_hflip_one_always_mirrors_the_training_images():
         torch.manual_seed(seed)
         b = kept(_picture(300, 300))
         assert torch.equal(a, b.flip(-1))
-    assert flip_probability(cfg, "imagefolder") == 1.0
+    assert flip_probability(transform_spec(cfg), "imagefolder") == 1.0

@@ -31,7 +31,6 @@ from distribuuuu.data import (
     empty_batch,
     gpu_decode,
 )
-from distribuuuu.data.datasets import DataError
 from distribuuuu.data.gpu_decode import (
     EncodedBatch,
     EncodedSample,
@@ -41,6 +40,8 @@ from distribuuuu.data.gpu_decode import (
 )
 from distribuuuu.data.jpeg import jpeg_header, read_or_defer
 from distribuuuu.data.samplers import sample_seed
+from distribuuuu.engine.specs import data_spec, loader_spec
+from distribuuuu.errors import DataError
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CPU = torch.device("cpu")
@@ -166,10 +167,12 @@ def test_pixel_limit_is_checked_from_the_header(tmp_path, monkeypatch):
 
 
 def test_workers_serve_the_files_bytes_with_the_cpu_decoders_draws(folder):
-    encoded = SeededDataset(build_dataset(_cfg(folder, "gpu"), train=True))
-    decoded = SeededDataset(build_dataset(_cfg(folder, "tensor"), train=True))
-    normalize = build_normalizer(_cfg(folder, "gpu"), CPU)
-    reference = build_normalizer(_cfg(folder, "tensor"), CPU)
+    encoded = SeededDataset(build_dataset(data_spec(_cfg(folder, "gpu")), train=True))
+    decoded = SeededDataset(
+        build_dataset(data_spec(_cfg(folder, "tensor")), train=True)
+    )
+    normalize = build_normalizer(data_spec(_cfg(folder, "gpu")), CPU)
+    reference = build_normalizer(data_spec(_cfg(folder, "tensor")), CPU)
     flips, samples = set(), []
     for index in range(len(encoded)):
         for epoch in range(3):
@@ -193,7 +196,7 @@ def test_workers_serve_the_files_bytes_with_the_cpu_decoders_draws(folder):
 
 
 def test_collate_keeps_every_sample_in_its_place(folder):
-    dataset = SeededDataset(build_dataset(_cfg(folder, "gpu"), train=True))
+    dataset = SeededDataset(build_dataset(data_spec(_cfg(folder, "gpu")), train=True))
     samples = [dataset[(index, index)] for index in range(len(dataset))]
     batch, labels = collate_encoded(samples)
     assert isinstance(batch, EncodedBatch) and len(batch) == len(samples) == 10
@@ -214,13 +217,21 @@ def _model_inputs(folder, decoder: str, train: bool, device, *keys: str) -> list
     """(normalised images on the CPU, labels) of every batch of the train
     (epoch 1, batches of 4) or evaluation loader of ``folder``."""
     cfg = _cfg(folder, decoder, *keys)
-    dataset = build_dataset(cfg, train)
+    dataset = build_dataset(data_spec(cfg), train)
     if train:
-        loader = build_train_loader(cfg, dataset, 0, 1, 11, device, 4)
+        loader = build_train_loader(
+            loader_spec(cfg),
+            dataset,
+            rank=0,
+            world_size=1,
+            seed=11,
+            device=device,
+            batch_size=4,
+        )
         loader.sampler.set_epoch(1)
     else:
-        loader = build_test_loader(cfg, dataset, 0, 1, device)
-    normalize = build_normalizer(cfg, device)
+        loader = build_test_loader(loader_spec(cfg), dataset, 0, 1, device)
+    normalize = build_normalizer(data_spec(cfg), device)
     return [(normalize(images).cpu(), labels) for images, labels in loader]
 
 
@@ -239,8 +250,8 @@ def test_loader_batches_decode_to_the_tensor_decoders_input(folder, train):
 
 def test_an_empty_evaluation_batch_has_the_crops_shape(folder):
     cfg = _cfg(folder, "gpu")
-    sample = build_dataset(cfg, train=False)[0][0]
-    empty = build_normalizer(cfg, CPU)(empty_batch(sample))
+    sample = build_dataset(data_spec(cfg), train=False)[0][0]
+    empty = build_normalizer(data_spec(cfg), CPU)(empty_batch(sample))
     assert empty.shape == (0, 3, 48, 48) and empty.dtype == torch.float32
 
 
@@ -250,7 +261,7 @@ def test_a_file_damaged_after_its_header_is_named_when_decoded(tmp_path, folder)
     path.write_bytes(data[: data.index(b"\xff\xda") + 200])  # cut in the scan
     encoded = read_or_defer(str(path))
     assert encoded.header.width == 64  # the header passes the worker
-    transform = build_dataset(_cfg(folder, "gpu"), train=False).transform
+    transform = build_dataset(data_spec(_cfg(folder, "gpu")), train=False).transform
     batch, _ = collate_encoded([(transform(encoded), 0)])
     with pytest.raises(DataError, match=r"bad\.jpg: .*truncated"):
         decode_batch(batch, CPU)
@@ -262,7 +273,7 @@ def test_an_image_decoded_at_another_size_than_its_header_is_refused(tmp_path, f
     did not see, 16 x 16 here), a DataError names the file."""
     path = tmp_path / "other.jpg"
     path.write_bytes(_jpeg_bytes(_picture(64, 48, 0, 4)))
-    transform = build_dataset(_cfg(folder, "gpu"), train=False).transform
+    transform = build_dataset(data_spec(_cfg(folder, "gpu")), train=False).transform
     sample = transform(read_or_defer(str(path)))
     sample.pixels = 16 * 16
     batch, _ = collate_encoded([(sample, 0)])
@@ -276,7 +287,7 @@ def test_cuda_decodes_wait_for_the_current_stream_first(folder, monkeypatch):
     for none of them (pytorch/vision#9606): each decode call comes after the
     host has waited for that stream, on the device decoded on.  CUDA and the
     decoder are faked; the order of the host's calls is what is checked."""
-    dataset = SeededDataset(build_dataset(_cfg(folder, "gpu"), train=True))
+    dataset = SeededDataset(build_dataset(data_spec(_cfg(folder, "gpu")), train=True))
     samples = [dataset[(index, index)] for index in range(len(dataset))]
     batch, _ = collate_encoded([pair for pair in samples if not pair[0].ready])
     expected = decode_batch(batch, CPU)

@@ -38,7 +38,6 @@ from torchvision.transforms.v2.functional import pil_to_tensor
 
 from distribuuuu.config import load_cfg
 from distribuuuu.data import (
-    DataError,
     SeededDataset,
     build_dataset,
     check_data,
@@ -48,6 +47,8 @@ from distribuuuu.data import (
 )
 from distribuuuu.data import datasets as ds
 from distribuuuu.data.jpeg import JpegFile, jpeg_bytes, jpeg_header, read_or_defer
+from distribuuuu.engine.specs import data_spec
+from distribuuuu.errors import DataError
 from distribuuuu.inference.predict import find_images
 from distribuuuu.tools import predict
 
@@ -109,9 +110,9 @@ def test_a_link_loop_counts_each_image_once(tmp_path):
         link(root / split / "c01" / "up", "..")  # the split itself, c00 included
         link(root / split / "c01" / "self", "self")  # resolves to nothing
     cfg = folder_cfg(root, "MODEL.NUM_CLASSES", str(CLASSES))
-    check_data(cfg)  # the pre-flight check
+    check_data(data_spec(cfg))  # the pre-flight check
     for train in (True, False):
-        dataset = build_dataset(cfg, train)
+        dataset = build_dataset(data_spec(cfg), train)
         paths = [path for path, _ in dataset.samples]
         assert len(paths) == CLASSES * PER_CLASS, paths
         labels = [label for _, label in dataset.samples]
@@ -138,7 +139,7 @@ def test_a_folder_linked_in_is_followed_once(tmp_path):
     link(root / "train" / "c00" / "more", str(extra))
     link(root / "train" / "c00" / "same", str(extra))
     cfg = folder_cfg(root, "MODEL.NUM_CLASSES", str(CLASSES))
-    paths = [path for path, _ in build_dataset(cfg, train=True).samples]
+    paths = [path for path, _ in build_dataset(data_spec(cfg), train=True).samples]
     more = root / "train" / "c00" / "more"
     assert paths[PER_CLASS : PER_CLASS + 2] == [
         str(more / "0.png"),
@@ -234,9 +235,11 @@ def test_a_fifo_named_like_an_image_is_never_listed_nor_waited_on(tmp_path):
     with pytest.raises(DataError, match=re.escape(f"{fifo}: not a regular file")):
         find_images([str(fifo)])
     cfg = folder_cfg(root, "MODEL.NUM_CLASSES", str(CLASSES))
-    assert [path for path, _ in build_dataset(cfg, train=True).samples] == listed
+    assert [
+        path for path, _ in build_dataset(data_spec(cfg), train=True).samples
+    ] == listed
     readers = [read_or_defer, image_files.read_image_bytes]
-    readers += [image_reader(load_cfg(None, ["DATA.DECODER", decoder]))
+    readers += [image_reader(decoder)
                 for decoder in ("fused", "tensor", "pil")]  # fmt: skip
     for read in readers:
         message = refused_at_once(read, fifo)
@@ -262,7 +265,7 @@ def bombs(tmp_path_factory) -> list[Path]:
 
 @pytest.mark.parametrize("decoder", ["fused", "tensor", "pil"])
 def test_both_decoders_refuse_a_decompression_bomb(bombs, decoder):
-    read = image_reader(load_cfg(None, ["DATA.DECODER", decoder]))
+    read = image_reader(decoder)
     for bomb in bombs:
         words = re.escape(f"cannot read image {bomb}: ") + ".* pixels"
         with pytest.raises(DataError, match=words):
@@ -275,7 +278,8 @@ def test_a_decompression_bomb_is_refused_before_decoding(bombs):
     (the 20000 x 20000 image would take 1.2 GB as a tensor)."""
     script = f"""
 import json, resource, sys
-from distribuuuu.data.image_files import DataError, decode_image_file, load_image
+from distribuuuu.data.image_files import decode_image_file, load_image
+from distribuuuu.errors import DataError
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 before, errors = peak(), []
 for read in (decode_image_file, load_image):
@@ -299,9 +303,9 @@ def test_skip_corrupt_skips_a_decompression_bomb(bombs, tmp_path):
     bomb.write_bytes(bombs[0].read_bytes())
     cfg = folder_cfg(root, "MODEL.NUM_CLASSES", "2")
     with pytest.raises(DataError, match=re.escape(f"cannot read image {bomb}")):
-        build_dataset(cfg, train=False)[1]
+        build_dataset(data_spec(cfg), train=False)[1]
     cfg = folder_cfg(root, "MODEL.NUM_CLASSES", "2", "DATA.SKIP_CORRUPT", "True")
-    dataset = build_dataset(cfg, train=False)
+    dataset = build_dataset(data_spec(cfg), train=False)
     image, label = dataset[1]  # 1.png served instead
     assert torch.equal(image, dataset[2][0]) and label == 0
 
@@ -356,7 +360,7 @@ def every_reader() -> list:
     """The readers of image files: DATA.DECODER fused, tensor and pil
     (training, evaluation and predict), and the reader of the fused training
     crop windows and of DATA.DECODER gpu's workers."""
-    readers = [image_reader(load_cfg(None, ["DATA.DECODER", decoder]))
+    readers = [image_reader(decoder)
                for decoder in ("fused", "tensor", "pil")]  # fmt: skip
     return [*readers, read_or_defer]
 
@@ -405,12 +409,12 @@ def test_crops_are_drawn_for_the_size_decoded(tmp_path, monkeypatch):
         header = image.header if isinstance(image, JpegFile) else None
         assert ((header.height, header.width) if header else image.shape[1:]) == size
     words = ("TEST.SPLIT", "train", "DATA.DECODER")
-    reference = build_dataset(folder_cfg(root, *words, "tensor"), train=True)
+    reference = build_dataset(data_spec(folder_cfg(root, *words, "tensor")), train=True)
     tensor, cfg = SeededDataset(reference), folder_cfg(root, *words, "fused")
     for library in (turbo.window_decoder(), None):
         monkeypatch.setattr(turbo, "_decoder", library)
         monkeypatch.setattr(turbo, "_searched", True)
-        fused = SeededDataset(build_dataset(cfg, train=True))
+        fused = SeededDataset(build_dataset(data_spec(cfg), train=True))
         for index, seed in itertools.product((0, 1), range(6)):
             image, expected = fused[(index, seed)][0], tensor[(index, seed)][0]
             assert torch.equal(image, expected), (index, seed, library)
@@ -469,7 +473,7 @@ def test_sixteen_bit_pngs_are_scaled_to_eight_bits(tmp_path, decoder):
     Image.fromarray(eight_bits[..., 1]).save(tmp_path / "grey8.png")
     Image.fromarray(eight_bits).save(tmp_path / "rgb8.png")
     assert Image.open(tmp_path / "grey16.png").mode.startswith("I")  # 16-bit grey
-    read = image_reader(load_cfg(None, ["DATA.DECODER", decoder]))
+    read = image_reader(decoder)
 
     def pixels(name: str) -> torch.Tensor:
         image = read(str(tmp_path / name))

@@ -28,7 +28,7 @@ from distribuuuu.data import (
     jpeg,
     turbo,
 )
-from distribuuuu.data.image_files import DataError, decode_image_file, load_image
+from distribuuuu.data.image_files import decode_image_file, load_image
 from distribuuuu.data.jpeg import (
     JpegFile,
     jpeg_bytes,
@@ -37,6 +37,8 @@ from distribuuuu.data.jpeg import (
     read_or_defer,
 )
 from distribuuuu.data.samplers import sample_seed
+from distribuuuu.engine.specs import data_spec
+from distribuuuu.errors import DataError
 
 # name: (width, height, PIL mode, save options); PNG and CMYK take the
 # tensor decoder's path, the others the fused one.
@@ -87,8 +89,10 @@ def test_fused_crops_are_the_tensor_decoders_bit_for_bit(folder, monkeypatch):
     """Same seed, same crop, flip and pixels as torchvision.io.decode_jpeg then
     v2.RandomResizedCrop and v2.RandomHorizontalFlip (the tensor decoder);
     only CMYK and PNG files take the tensor decoder's own path."""
-    reference = SeededDataset(build_dataset(_cfg(folder, "tensor"), train=True))
-    reference_val = build_dataset(_cfg(folder, "tensor"), train=False)
+    reference = SeededDataset(
+        build_dataset(data_spec(_cfg(folder, "tensor")), train=True)
+    )
+    reference_val = build_dataset(data_spec(_cfg(folder, "tensor")), train=False)
     slow = []
 
     class CountedSlowPath:
@@ -102,8 +106,8 @@ def test_fused_crops_are_the_tensor_decoders_bit_for_bit(folder, monkeypatch):
             return image_files.decode_image_bytes(data, name, as_tensor)
 
     monkeypatch.setattr(jpeg, "image_files", CountedSlowPath())
-    fused = SeededDataset(build_dataset(_cfg(folder, "fused"), train=True))
-    fused_val = build_dataset(_cfg(folder, "fused"), train=False)
+    fused = SeededDataset(build_dataset(data_spec(_cfg(folder, "fused")), train=True))
+    fused_val = build_dataset(data_spec(_cfg(folder, "fused")), train=False)
     crops = []
     for epoch in range(3):
         # An epoch's samples all read first, as a batch holds them: none may
@@ -201,7 +205,7 @@ def test_fused_errors_and_pixel_limit_are_the_tensor_decoders(tmp_path):
         assert message == _error(decode_image_file, tmp_path / name)
         assert message.startswith(f"cannot read image {tmp_path / name}: ")
     assert re.search("12000 x 9000 pixels, more than", message)
-    read = image_reader(load_cfg(None, ["DATA.DECODER", "fused"]))
+    read = image_reader("fused")
     assert read is read_image_fused
 
 
@@ -289,8 +293,10 @@ def test_whole_images_are_decoded_without_a_window_library(
     expected = image.decode()[:, 40:240, 30:330]
     decoder = _window_decoder()
     fused, tensor = _cfg(folder, "fused"), _cfg(folder, "tensor")
-    assert describe_decoder(fused) == f"fused (crop windows by {decoder.path})"
-    assert describe_decoder(tensor) == "tensor"
+    assert (
+        describe_decoder(data_spec(fused)) == f"fused (crop windows by {decoder.path})"
+    )
+    assert describe_decoder(data_spec(tensor)) == "tensor"
     monkeypatch.setenv(turbo.ENVIRONMENT, decoder.path)
     assert turbo.find_decoder().path == decoder.path
     monkeypatch.setenv(turbo.ENVIRONMENT, "0")
@@ -304,7 +310,7 @@ def test_whole_images_are_decoded_without_a_window_library(
     monkeypatch.setattr(turbo, "_decoder", None)
     monkeypatch.setattr(turbo, "_searched", True)
     assert torch.equal(image.window(40, 30, 200, 300), expected)
-    described = describe_decoder(fused)
+    described = describe_decoder(data_spec(fused))
     assert described.startswith("fused (whole JPEGs") and turbo.ENVIRONMENT in described
 
 

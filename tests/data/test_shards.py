@@ -4,6 +4,7 @@ rank and loader worker, evaluated exactly, against the same ImageFolder."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import os
@@ -26,9 +27,11 @@ from PIL import Image
 
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_dataset, build_test_loader, build_train_loader
-from distribuuuu.data.datasets import DataError, load_mnist5k
+from distribuuuu.data.datasets import load_mnist5k
 from distribuuuu.data.shards import ShardDecoder, ShardedImages, open_shards
+from distribuuuu.engine.specs import data_spec, loader_spec
 from distribuuuu.engine.trainer import train_model
+from distribuuuu.errors import DataError
 from distribuuuu.logger import setup_logging
 
 CPU = torch.device("cpu")
@@ -109,12 +112,13 @@ def test_evaluation_reads_every_sample_once(digits, world, workers):
     """The validation images of all ranks are the folder's 1000, each once,
     pixel for pixel; the ranks' batch counts differ by at most one."""
     keys = [*RECIPE, "TRAIN.WORKERS", str(workers)]
-    folder = build_dataset(load_cfg(None, [*keys, *folder_keys(digits)]), False)
+    folder_cfg = load_cfg(None, [*keys, *folder_keys(digits)])
+    folder = build_dataset(data_spec(folder_cfg), train=False)
     expected = sorted(_digest(image) + str(label) for image, label in folder)
     cfg = load_cfg(None, [*keys, *shard_keys(digits)])
-    val_set, seen, batches = build_dataset(cfg, train=False), [], []
+    val_set, seen, batches = build_dataset(data_spec(cfg), train=False), [], []
     for rank in range(world):
-        loader = build_test_loader(cfg, val_set, rank, world, CPU)
+        loader = build_test_loader(loader_spec(cfg), val_set, rank, world, CPU)
         batches.append(len(loader))
         for images, labels in loader:
             seen += [_digest(i) + str(int(t)) for i, t in zip(images, labels)]
@@ -141,9 +145,15 @@ def _numbered(digits, rank: int, world: int, workers: int, batch: int, value=_nu
     cfg = load_cfg(None, [*RECIPE, *shard_keys(digits)])
     shards = open_shards(digits["train"], "TRAIN.DATASET")
     images = ShardedImages(shards, ShardDecoder(shards, _same, value, False))
-    cfg.defrost()
-    cfg.TRAIN.WORKERS = workers
-    return build_train_loader(cfg, images, rank, world, 7, CPU, batch)
+    return build_train_loader(
+        dataclasses.replace(loader_spec(cfg), workers=workers),
+        images,
+        rank=rank,
+        world_size=world,
+        seed=7,
+        device=CPU,
+        batch_size=batch,
+    )
 
 
 def _epoch(loader, epoch: int, start: int = 0) -> list[list[int]]:
@@ -275,7 +285,9 @@ def test_a_corrupt_image_in_a_shard_follows_skip_corrupt(digits, tmp_path, skip)
                           str(out / "train-{000000..000001}.tar"), "TEST.DATASET",
                           str(out / "val-{000000..000001}.tar"),
                           "DATA.SKIP_CORRUPT", str(skip)])  # fmt: skip
-    loader = build_test_loader(cfg, build_dataset(cfg, train=False), 0, 1, CPU)
+    loader = build_test_loader(
+        loader_spec(cfg), build_dataset(data_spec(cfg), train=False), 0, 1, CPU
+    )
     if not skip:
         with pytest.raises(DataError, match="cannot read image .*val-00000"):
             list(loader)
@@ -308,8 +320,16 @@ def test_a_jpeg_damaged_past_its_header_follows_skip_corrupt_in_training(
                           str(out / "val-{000000..000001}.tar"), "TRAIN.IM_SIZE",
                           "24", "DATA.SKIP_CORRUPT", str(skip)])  # fmt: skip
     assert cfg.DATA.DECODER == "fused"
-    dataset = build_dataset(cfg, train=True)
-    loader = build_train_loader(cfg, dataset, 0, 1, 0, CPU, 4)
+    dataset = build_dataset(data_spec(cfg), train=True)
+    loader = build_train_loader(
+        loader_spec(cfg),
+        dataset,
+        rank=0,
+        world_size=1,
+        seed=0,
+        device=CPU,
+        batch_size=4,
+    )
     loader.sampler.set_epoch(0)
     if not skip:
         with pytest.raises(DataError, match=r"read image .*train-0.*2\.jpg: "):

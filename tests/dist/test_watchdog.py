@@ -26,7 +26,9 @@ from distribuuuu.config import load_cfg
 from distribuuuu.data import build_test_loader, build_train_loader
 from distribuuuu.data.packed import PackedSamples
 from distribuuuu.data.worker_server import worker_context
-from distribuuuu.dist.watchdog import LoaderTimeoutError, Watchdog, WatchedLoader
+from distribuuuu.dist.watchdog import Watchdog, WatchedLoader
+from distribuuuu.engine.specs import loader_spec
+from distribuuuu.errors import LoaderTimeoutError
 
 CPU = torch.device("cpu")
 CONTEXT = worker_context()
@@ -58,8 +60,16 @@ def _pids(batches) -> set[tuple[int, int]]:
 
 def test_no_loader_worker_is_forked_from_the_trainer():
     cfg = load_cfg(None, ["TRAIN.WORKERS", "2", "TEST.BATCH_SIZE", "2"])
-    train = build_train_loader(cfg, ParentPids(), 0, 1, 0, CPU, batch_size=2)
-    test = build_test_loader(cfg, ParentPids(), 0, 1, CPU)
+    train = build_train_loader(
+        loader_spec(cfg),
+        ParentPids(),
+        rank=0,
+        world_size=1,
+        seed=0,
+        device=CPU,
+        batch_size=2,
+    )
+    test = build_test_loader(loader_spec(cfg), ParentPids(), 0, 1, CPU)
     forks = len(_FORKS)
     train.sampler.set_epoch(0)
     loaded = _pids(train) | _pids(test)

@@ -24,8 +24,10 @@ from torch import nn
 from distribuuuu import models
 from distribuuuu.config import CHOICES, get_cfg
 from distribuuuu.data import build_dataset, build_normalizer
+from distribuuuu.engine.specs import data_spec
 from distribuuuu.inference import onnx as onnx_model
 from distribuuuu.inference.export import validation_batches
+from distribuuuu.inference.read import eval_data_spec, inference_spec
 from distribuuuu.tools import export as export_tool
 from distribuuuu.tools import predict
 
@@ -60,7 +62,10 @@ def briefly_trained_resnet20(steps: int = 20) -> nn.Module:
     """resnet20 after ``steps`` SGD steps of 64 training digits (seeded)."""
     torch.manual_seed(0)
     cfg = digits_cfg()
-    dataset, normalize = build_dataset(cfg, True), build_normalizer(cfg, "cpu")
+    dataset, normalize = (
+        build_dataset(data_spec(cfg), train=True),
+        build_normalizer(data_spec(cfg), "cpu"),
+    )
     model = models.build_model("resnet20", 10).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     order = torch.randperm(len(dataset))
@@ -105,7 +110,7 @@ def test_export_passes_the_runtime_check(exported):
     # Checked again here: other validation digits, in a batch of 5.
     session, metadata = onnx_model.load_session(str(path))
     cfg = digits_cfg(*ARCHS[arch])
-    (images,), _ = validation_batches(cfg, (5,))
+    (images,), _ = validation_batches(eval_data_spec(cfg), (5,))
     with torch.no_grad():
         expected = model(images)
     logits = onnx_model.run_session(session, images)
@@ -172,11 +177,12 @@ def test_metadata_holds_every_decoder_a_run_may_use(decoder):
     predicts by reading files on the CPU (gpu's pixels there are tensor's)."""
     cfg = get_cfg()
     cfg.DATA.DECODER = decoder
-    metadata = onnx_model.OnnxMetadata.from_cfg(cfg, [str(i) for i in range(10)])
+    spec = inference_spec(cfg)
+    metadata = onnx_model.OnnxMetadata.from_spec(spec, [str(i) for i in range(10)])
     again = onnx_model.OnnxMetadata.from_props(metadata.to_props(), "m.onnx")
     assert again == metadata and again.decoder == decoder
     expected = "tensor" if decoder == "gpu" else decoder
-    assert expected == again.eval_cfg().DATA.DECODER
+    assert expected == again.data_spec().decoder
 
 
 # --------------------------------------------------------------------------- #

@@ -7,6 +7,7 @@ import torch
 from helpers import refused
 
 from distribuuuu.config import load_cfg
+from distribuuuu.engine.specs import model_spec
 from distribuuuu.models import (
     build_model,
     find_blocks,
@@ -116,7 +117,7 @@ def test_zero_init_residual_refused_where_it_cannot_apply(tmp_path, keys, words)
 def _configured(*keys: str):
     from distribuuuu.models import build_configured
 
-    return build_configured(load_cfg(None, list(keys)).MODEL)
+    return build_configured(model_spec(load_cfg(None, list(keys))))
 
 
 def test_drop_path_changes_training_outputs_only():
@@ -142,7 +143,7 @@ def test_drop_path_changes_training_outputs_only():
                             mlp_dim=32, num_classes=10)  # fmt: skip
     keys = set(vit.state_dict())
     cfg = load_cfg(None, ["MODEL.ARCH", "vit_b_16", "MODEL.DROP_PATH", "0.2"])
-    regularize.regularize(vit, "vit_b_16", cfg.MODEL)
+    regularize.regularize(vit, model_spec(cfg))
     rates = [m.p for m in vit.modules() if type(m).__name__ == "StochasticDepth"]
     assert rates == pytest.approx([0.0, 0.0, 0.1, 0.1, 0.2, 0.2])
     assert set(vit.state_dict()) == keys  # checkpoints unchanged

@@ -25,6 +25,7 @@ from helpers import (
 
 from distribuuuu.checkpoint import load_full
 from distribuuuu.config import load_cfg
+from distribuuuu.engine.specs import model_spec
 from distribuuuu.inference.read import KIND_STATE_DICT, Checkpoint, inference_cfg
 from distribuuuu.models import (
     build_configured,
@@ -202,7 +203,7 @@ def test_plain_names_torchvision_lacks_are_timm_models():
     # The regularisation keys reach it through timm's own arguments.
     cfg = load_cfg(None, ["MODEL.ARCH", "resnet10t", "MODEL.DROP_PATH", "0.1",
                           "MODEL.DROPOUT", "0.3"])  # fmt: skip
-    model = build_configured(cfg.MODEL)
+    model = build_configured(model_spec(cfg))
     assert model.drop_rate == 0.3
     assert any(type(m).__name__ == "DropPath" for m in model.modules())
 

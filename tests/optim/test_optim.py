@@ -11,7 +11,9 @@ from helpers import TINY, assert_ok, read_metrics, train_net
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.config import LR_POLICIES, ConfigError, get_cfg, load_cfg
+from distribuuuu.config import LR_POLICIES, get_cfg, load_cfg
+from distribuuuu.engine.specs import optimizer_spec, schedule_spec
+from distribuuuu.errors import ConfigError
 from distribuuuu.models.syncbn import GroupSyncBatchNorm
 from distribuuuu.optim.build import (
     LR_POLICY_FUNCTIONS,
@@ -22,10 +24,11 @@ from distribuuuu.optim.build import (
     set_lr,
     split_weight_decay,
 )
+from distribuuuu.optim.spec import OptimizerSpec, ScheduleSpec
 
 
 def test_cos_with_per_iteration_warmup():
-    optim = load_cfg(
+    cfg = load_cfg(
         None,
         [
             "OPTIM.MAX_EPOCH",
@@ -37,7 +40,8 @@ def test_cos_with_per_iteration_warmup():
             "OPTIM.BASE_LR",
             "1.0",
         ],
-    ).OPTIM
+    )
+    optim = schedule_spec(cfg)
     assert lr_at(optim, 0.0) == pytest.approx(0.1)
     cos_1 = 0.5 * (1 + math.cos(math.pi * 0.1))
     assert lr_at(optim, 1.0) == pytest.approx(cos_1 * 0.55)  # half-way: 0.1 -> 1
@@ -48,13 +52,14 @@ def test_cos_with_per_iteration_warmup():
 
 
 def test_cos_ends_at_min_lr():
-    optim = load_cfg(None, ["OPTIM.MIN_LR", "0.01", "OPTIM.WARMUP_EPOCHS", "0"]).OPTIM
-    assert lr_at(optim, optim.MAX_EPOCH) == pytest.approx(0.01)
-    assert lr_at(optim, 0) == pytest.approx(optim.BASE_LR)
+    cfg = load_cfg(None, ["OPTIM.MIN_LR", "0.01", "OPTIM.WARMUP_EPOCHS", "0"])
+    optim, schedule = cfg.OPTIM, schedule_spec(cfg)
+    assert lr_at(schedule, optim.MAX_EPOCH) == pytest.approx(0.01)
+    assert lr_at(schedule, 0) == pytest.approx(optim.BASE_LR)
 
 
 def test_steps_policy():
-    optim = load_cfg(
+    cfg = load_cfg(
         None,
         [
             "OPTIM.LR_POLICY",
@@ -68,7 +73,8 @@ def test_steps_policy():
             "OPTIM.BASE_LR",
             "1.0",
         ],
-    ).OPTIM
+    )
+    optim = schedule_spec(cfg)
     assert [lr_at(optim, e) for e in (0, 2.9, 3, 5.5, 6, 9)] == pytest.approx(
         [1, 1, 0.1, 0.1, 0.01, 0.01]
     )
@@ -88,7 +94,7 @@ def test_sgd_uses_the_compatibility_keys():
             "0.01",
         ],
     )
-    opt = build_optimizer(torch.nn.Linear(2, 2), cfg.OPTIM)
+    opt = build_optimizer(torch.nn.Linear(2, 2), optimizer_spec(cfg))
     group = opt.param_groups[0]
     assert (group["momentum"], group["nesterov"], group["dampening"]) == (
         0.8,
@@ -104,6 +110,16 @@ def test_sgd_uses_the_compatibility_keys():
 def _optim(*opts: str) -> CfgNode:
     """The validated OPTIM section of the defaults with ``KEY VALUE`` overrides."""
     return load_cfg(None, list(opts)).OPTIM
+
+
+def _optimizer(*opts: str) -> OptimizerSpec:
+    """The optimizer spec of the defaults with ``KEY VALUE`` overrides."""
+    return optimizer_spec(load_cfg(None, list(opts)))
+
+
+def _schedule(*opts: str) -> ScheduleSpec:
+    """The learning-rate schedule of the defaults with ``KEY VALUE`` overrides."""
+    return schedule_spec(load_cfg(None, list(opts)))
 
 
 # Policy, overrides, {epoch: learning rate by hand}; BASE_LR 1, MIN_LR 0.1,
@@ -133,7 +149,7 @@ _PLAIN = ["OPTIM.BASE_LR", "1.0", "OPTIM.MIN_LR", "0.1", "OPTIM.MAX_EPOCH", "10"
 
 @pytest.mark.parametrize("policy, opts, points", POLICY_POINTS)
 def test_policy_values_by_hand(policy, opts, points):
-    optim = _optim(
+    optim = _schedule(
         "OPTIM.LR_POLICY", policy, "OPTIM.WARMUP_EPOCHS", "0", *_PLAIN, *opts
     )
     got = {epoch: lr_at(optim, epoch) for epoch in points}
@@ -148,8 +164,8 @@ def test_every_policy_is_tested_and_dispatched():
 @pytest.mark.parametrize("policy, opts, points", POLICY_POINTS)
 def test_warmup_multiplies_every_policy(policy, opts, points):
     common = ["OPTIM.LR_POLICY", policy, *_PLAIN, *opts]
-    plain = _optim(*common, "OPTIM.WARMUP_EPOCHS", "0")
-    warm = _optim(*common, "OPTIM.WARMUP_EPOCHS", "2", "OPTIM.WARMUP_FACTOR", "0.1")
+    plain = _schedule(*common, "OPTIM.WARMUP_EPOCHS", "0")
+    warm = _schedule(*common, "OPTIM.WARMUP_EPOCHS", "2", "OPTIM.WARMUP_FACTOR", "0.1")
     # factor 0.1 at epoch 0, half-way (0.55) at 1, 1 from epoch 2 on
     for epoch, factor in ((0, 0.1), (0.5, 0.325), (1, 0.55), (2, 1.0), (7, 1.0)):
         assert lr_at(warm, epoch) == pytest.approx(lr_at(plain, epoch) * factor)
@@ -159,14 +175,15 @@ def test_unknown_policy_and_optimizer_raise_value_error():
     cfg = get_cfg()
     cfg.OPTIM.LR_POLICY = "triangular"
     with pytest.raises(ValueError, match="unknown OPTIM.LR_POLICY 'triangular'"):
-        lr_at(cfg.OPTIM, 1.0)
+        lr_at(schedule_spec(cfg), 1.0)
     cfg.OPTIM.OPTIMIZER = "lion"
     with pytest.raises(ValueError, match="unknown OPTIM.OPTIMIZER 'lion'"):
-        build_optimizer(torch.nn.Linear(2, 2), cfg.OPTIM)
+        build_optimizer(torch.nn.Linear(2, 2), optimizer_spec(cfg))
 
 
 def test_default_cos_is_bitwise_the_original_formula():
-    optim = _optim("OPTIM.MIN_LR", "0.003")
+    cfg = load_cfg(None, ["OPTIM.MIN_LR", "0.003"])
+    optim, schedule = cfg.OPTIM, schedule_spec(cfg)
     for epoch in (0.0, 0.37, 1.0, 4.2, 9.99):
         progress = epoch / optim.MAX_EPOCH
         lr = optim.MIN_LR + (optim.BASE_LR - optim.MIN_LR) * 0.5 * (
@@ -175,7 +192,7 @@ def test_default_cos_is_bitwise_the_original_formula():
         if epoch < optim.WARMUP_EPOCHS:
             alpha = epoch / optim.WARMUP_EPOCHS
             lr *= optim.WARMUP_FACTOR * (1.0 - alpha) + alpha
-        assert lr_at(optim, epoch) == lr
+        assert lr_at(schedule, epoch) == lr
 
 
 class _Net(nn.Module):
@@ -224,7 +241,7 @@ def _net(norm: type[nn.Module] = nn.BatchNorm2d) -> _Net:
 
 
 def test_sgd_default_is_unchanged():
-    optim = _optim()
+    optim = _optimizer()
     model, reference = _net(), _net()
     optimizer = build_optimizer(model, optim)
     assert type(optimizer) is torch.optim.SGD
@@ -250,7 +267,7 @@ def test_sgd_default_is_unchanged():
 
 
 def test_adamw_trains_and_is_adamw():
-    optim = _optim(
+    optim = _optimizer(
         "OPTIM.OPTIMIZER",
         "adamw",
         "OPTIM.BASE_LR",
@@ -311,7 +328,9 @@ def test_no_decay_norm_bias_groups(norm):
     log.setLevel(logging.INFO)
     log.addHandler(records)
     try:
-        optimizer = build_optimizer(model, _optim("OPTIM.NO_DECAY_NORM_BIAS", "True"))
+        optimizer = build_optimizer(
+            model, _optimizer("OPTIM.NO_DECAY_NORM_BIAS", "True")
+        )
     finally:
         log.removeHandler(records)
         log.setLevel(level)
@@ -348,14 +367,14 @@ def test_no_decay_norm_bias_groups(norm):
 
 def test_no_decay_norm_bias_keeps_the_decay_of_a_model_without_norm_or_bias():
     model = nn.Linear(3, 2, bias=False)
-    optimizer = build_optimizer(model, _optim("OPTIM.NO_DECAY_NORM_BIAS", "True"))
+    optimizer = build_optimizer(model, _optimizer("OPTIM.NO_DECAY_NORM_BIAS", "True"))
     assert [len(group["params"]) for group in optimizer.param_groups] == [1]
     assert split_weight_decay(model) == ([model.weight], [])
 
 
 def test_reference_lr_scale():
-    assert reference_lr_scale(_optim(), 4096) == 1.0
-    optim = _optim("OPTIM.REFERENCE_BATCH", "256")
+    assert reference_lr_scale(_schedule(), 4096) == 1.0
+    optim = _schedule("OPTIM.REFERENCE_BATCH", "256")
     assert reference_lr_scale(optim, 1024) == 4.0
     assert reference_lr_scale(optim, 64) == 0.25
 
@@ -392,8 +411,8 @@ def test_bad_optim_values_are_refused(opts, message):
 
 
 def test_lr_step_iter_moves_every_step_and_epoch_once_per_epoch():
-    iter_cfg = load_cfg(None, []).OPTIM
-    epoch_cfg = load_cfg(None, ["OPTIM.LR_STEP", "epoch"]).OPTIM
+    iter_cfg = schedule_spec(load_cfg(None, []))
+    epoch_cfg = schedule_spec(load_cfg(None, ["OPTIM.LR_STEP", "epoch"]))
     assert lr_epoch(iter_cfg, 2, 0.5) == 2.5
     assert lr_epoch(epoch_cfg, 2, 0.5) == lr_epoch(epoch_cfg, 2, 0.99) == 2.0
     # warmup too: at epoch 0 the whole first epoch takes the warmup's start

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from distribuuuu.config import load_cfg
+from distribuuuu.engine.specs import optimizer_spec
 from distribuuuu.optim.build import build_optimizer
 from distribuuuu.optim.optimizers import Lamb, Lars, RMSpropTF
 
@@ -103,14 +104,15 @@ def test_a_zero_weight_takes_the_plain_update():
 def test_norm_layers_and_biases_get_no_trust_ratio(name):
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
     cfg = load_cfg(None, ["OPTIM.OPTIMIZER", name])
-    optimizer = build_optimizer(model, cfg.OPTIM)
+    optimizer = build_optimizer(model, optimizer_spec(cfg))
     trusted, plain = optimizer.param_groups
     assert trusted["trust_ratio"] and not plain["trust_ratio"]
     assert [p.shape for p in trusted["params"]] == [(3, 4), (2, 3)]
     assert len(plain["params"]) == 4  # two biases, the norm's weight and bias
     assert plain["weight_decay"] == cfg.OPTIM.WEIGHT_DECAY  # decayed unless asked
     cfg = load_cfg(None, ["OPTIM.OPTIMIZER", name, "OPTIM.NO_DECAY_NORM_BIAS", "True"])
-    assert build_optimizer(model, cfg.OPTIM).param_groups[1]["weight_decay"] == 0.0
+    optimizer = build_optimizer(model, optimizer_spec(cfg))
+    assert optimizer.param_groups[1]["weight_decay"] == 0.0
 
 
 @pytest.mark.parametrize(
@@ -121,7 +123,7 @@ def test_each_optimizer_lowers_the_loss_of_a_small_net(name, cls):
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     lr = {"rmsprop": "0.05", "lamb": "0.01", "lars": "5.0"}[name]
     keys = ["OPTIM.OPTIMIZER", name, "OPTIM.BASE_LR", lr, "OPTIM.EPS", "1e-3"]
-    optimizer = build_optimizer(model, load_cfg(None, keys).OPTIM)
+    optimizer = build_optimizer(model, optimizer_spec(load_cfg(None, keys)))
     assert type(optimizer) is cls
     inputs, targets = torch.randn(64, 8), torch.randint(0, 3, (64,))
     losses = []
@@ -142,7 +144,7 @@ def test_layer_decay_scales_each_layers_learning_rate():
     cfg = load_cfg(
         None, ["OPTIM.LAYER_DECAY", "0.5", "OPTIM.NO_DECAY_NORM_BIAS", "True"]
     )
-    optimizer = build_optimizer(model, cfg.OPTIM)
+    optimizer = build_optimizer(model, optimizer_spec(cfg))
     set_lr(optimizer, 0.1)
     groups = optimizer.param_groups
     rate = {id(p): g["lr"] for g in groups for p in g["params"]}

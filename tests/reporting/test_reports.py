@@ -201,12 +201,13 @@ def test_image_grid_shows_the_augmented_training_images():
     from distribuuuu.config import load_cfg
     from distribuuuu.data import build_dataset
     from distribuuuu.engine.run_log import log_training_images
+    from distribuuuu.engine.specs import data_spec
 
     class Capture:
         def image(self, tag: str, pixels) -> None:
             self.tag, self.pixels = tag, pixels
 
-    dataset = build_dataset(load_cfg(), train=True)
+    dataset = build_dataset(data_spec(load_cfg()), train=True)
     writer = Capture()
     log_training_images(writer, dataset, seed=3)
     torch.manual_seed(3)
