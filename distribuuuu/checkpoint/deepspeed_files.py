@@ -55,7 +55,10 @@ _MAX_PICKLE_BYTES = 64 << 20
 _MAX_DIRECTORY_BYTES = 64 << 20
 
 # Globals built as themselves: plain containers, sizes and dtypes.
-_REAL = {("collections", "OrderedDict"): OrderedDict, ("torch", "Size"): torch.Size}
+_REAL: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): OrderedDict,
+    ("torch", "Size"): torch.Size,
+}
 _REAL |= {("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
 # DeepSpeed's own classes in its files: the loss scaler, the ZeRO stage and
 # the addresses of the fp32 fragments.
@@ -413,7 +416,9 @@ def weights_only_loads(folder: str) -> Iterator[None]:
     }
     os.environ[_FORCE_WEIGHTS_ONLY] = "1"
     try:
-        with torch.serialization.safe_globals(deepspeed_classes()):
+        # torch types its argument as an (invariant) list of callables or
+        # (callable, name) pairs: a list of classes is one.
+        with torch.serialization.safe_globals(deepspeed_classes()):  # type: ignore[arg-type]
             yield
     except pickle.UnpicklingError as error:
         raise refused(

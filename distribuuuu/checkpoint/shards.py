@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import FLATTEN_MAPPING
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    STATE_DICT_TYPE,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -43,14 +45,13 @@ from distribuuuu.checkpoint.files import (
     CHECKPOINT_DIR,
     SHARDED_SUFFIX,
     error_summary,
-    fsync_dir,
-    raise_if_disk_full,
     refused,
     sharded_dir,
 )
 from distribuuuu.checkpoint.format import shards_folder
 from distribuuuu.dist import group as du
 from distribuuuu.errors import DamagedCheckpointError, RefusedCheckpointError
+from distribuuuu.fileio import fsync_dir, raise_if_disk_full
 
 
 def _sha256(path: str) -> str:
@@ -327,6 +328,12 @@ class _SafeBytes:
     ``weights_only=False``; this one loads them weights-only and places them
     as it does (into the nested state when DCP flattened it).
     """
+
+    # The state of the DCP planner this is mixed into (DefaultLoadPlanner's).
+    flatten_state_dict: bool
+    original_state_dict: STATE_DICT_TYPE
+    mappings: FLATTEN_MAPPING
+    state_dict: STATE_DICT_TYPE
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         name = read_item.dest_index.fqn
