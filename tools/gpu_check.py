@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import IO
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(REPO, "tools")
@@ -224,12 +225,18 @@ def gpu_steps(python: str, work: str, dry_run: bool) -> list[Step]:
     return [*([collected] if dry_run else []), runs[0], tests, *runs[1:], throughput]
 
 
-def start(step: Step, env: dict) -> subprocess.Popen:
+class LoggedProcess(subprocess.Popen):
+    """A command step's process, with the temporary file of its output."""
+
+    log: IO[str]
+
+
+def start(step: Step, env: dict) -> LoggedProcess:
     """Start a command step in a session of its own; its output goes to a
     temporary file (a full pipe would stall it)."""
     # Closed by finish(), once the step has ended.
     log = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")  # noqa: SIM115
-    proc = subprocess.Popen(
+    proc = LoggedProcess(
         step.command,
         cwd=REPO,
         env=env,
@@ -261,7 +268,7 @@ def kill_tree(pid: int) -> None:
             os.kill(target, signal.SIGKILL)
 
 
-def finish(proc: subprocess.Popen, started: float, timed_out: bool) -> dict:
+def finish(proc: LoggedProcess, started: float, timed_out: bool) -> dict:
     """The result of a finished, or killed, command step."""
     proc.log.seek(0)
     lines = proc.log.read().strip().splitlines()
@@ -291,7 +298,8 @@ def run_inline(step: Step) -> dict:
 def run_all(steps: list[Step], env: dict, parallel: int, deadline: float) -> dict:
     """Run ``steps`` in order, ``parallel`` commands at a time, each within its
     timeout and the deadline; each step's result by name."""
-    results, todo, running = {}, list(steps), {}
+    results, todo = {}, list(steps)
+    running: dict[str, tuple[Step, LoggedProcess, float]] = {}
     while todo or running:
         while todo and len(running) < parallel:
             step = todo.pop(0)

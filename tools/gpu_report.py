@@ -147,7 +147,7 @@ def findings(steps: dict) -> list[str]:
 def format_report(report: dict) -> str:
     """The report as markdown."""
     steps = report["steps"]
-    counts = {}
+    counts: dict[str, int] = {}
     for result in steps.values():
         counts[result["status"]] = counts.get(result["status"], 0) + 1
     lines = [
