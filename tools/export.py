@@ -94,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         written = export_weights(
             args.weights,
             args.out,
-            args.torchscript,
-            args.torch_export,
-            args.cfg_file,
-            args.opts,
-            args.onnx,
-            args.atol,
+            torchscript=args.torchscript,
+            torch_export=args.torch_export,
+            cfg_file=args.cfg_file,
+            opts=args.opts,
+            onnx=args.onnx,
+            onnx_atol=args.atol,
         )
         for kind, path, difference, checked in written:
             print(

@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
             classified = classify_images(
                 args.weights,
                 args.inputs,
-                args.device,
-                args.topk,
-                args.batch_size,
-                args.cfg_file,
-                args.opts,
+                device=args.device,
+                topk=args.topk,
+                batch_size=args.batch_size,
+                cfg_file=args.cfg_file,
+                opts=args.opts,
             )
         for path, top in classified:
             print(format_line(path, top, args.json), flush=True)

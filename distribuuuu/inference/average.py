@@ -20,11 +20,13 @@ import torch
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.checkpoint.format import averaged_weights
-from distribuuuu.inference.read import KIND_STATE_DICT, CheckpointError, read_checkpoint
+from distribuuuu.errors import CheckpointError
+from distribuuuu.inference.read import KIND_STATE_DICT, read_checkpoint
 
 
-def select_checkpoints(out_dir: str, last: int = 0, best: int = 0,
-                       lower_is_better: bool = False) -> list[str]:  # fmt: skip
+def select_checkpoints(
+    out_dir: str, last: int = 0, best: int = 0, lower_is_better: bool = False
+) -> list[str]:
     """The newest ``last`` checkpoints of run ``out_dir``, or its ``best`` by
     the scores CHECKPOINT.KEEP_BEST records."""
     if last:

@@ -14,14 +14,13 @@ from typing import Any
 
 import torch
 
-from distribuuuu.config import diff_from_defaults, get_cfg
 from distribuuuu.inference.read import (
     KIND_BEST_WEIGHTS,
     KIND_TRAINING_CHECKPOINT,
     Checkpoint,
-    checkpoint_cfg,
     class_names,
-    saved_cfg,
+    saved_cfg_diff,
+    saved_model,
 )
 from distribuuuu.models import build_model, is_model
 
@@ -29,24 +28,14 @@ from distribuuuu.models import build_model, is_model
 SHOWN_CLASSES = 10
 
 
-def _is_default_key(key: str) -> bool:
-    """True when ``key`` exists in the current defaults."""
-    node: Any = get_cfg()
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
 def _cfg_diff(ckpt: Checkpoint) -> list[dict] | None:
     """The saved cfg's values that differ from the defaults (None: no cfg saved)."""
-    cfg = saved_cfg(ckpt)
-    if cfg is None:
+    diff = saved_cfg_diff(ckpt)
+    if diff is None:
         return None
     return [
-        {"key": key, "value": value, "default": default, "known": _is_default_key(key)}
-        for key, value, default in diff_from_defaults(cfg)
+        {"key": key, "value": value, "default": default, "known": known}
+        for key, value, default, known in diff
     ]
 
 
@@ -81,9 +70,8 @@ def _progress(ckpt: Checkpoint) -> dict:
 def summarize(ckpt: Checkpoint) -> dict:
     """Everything the inspector reports, as a JSON-ready dict (absent: None)."""
     diff = _cfg_diff(ckpt)
-    cfg = checkpoint_cfg(ckpt)
-    arch = ckpt.get("arch") or (cfg.MODEL.ARCH if diff is not None else None)
-    num_classes = cfg.MODEL.NUM_CLASSES
+    saved_arch, num_classes = saved_model(ckpt)
+    arch = ckpt.get("arch") or (saved_arch if diff is not None else None)
     if diff is None:  # no cfg: only the saved class names say how many
         num_classes = len(ckpt.get("classes") or []) or None
     tensors = ckpt.weights.values()
