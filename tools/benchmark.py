@@ -48,11 +48,6 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
-try:  # Unix
-    import resource
-except ImportError:
-    resource = None
-
 import torch
 import torchvision
 
@@ -170,7 +165,11 @@ def cpu_seconds() -> float:
     first count to the second whole, so differences stay right.
     """
     total, me = time.process_time(), os.getpid()
-    if resource is not None:
+    try:  # Unix
+        import resource
+    except ImportError:
+        pass
+    else:
         ended = resource.getrusage(resource.RUSAGE_CHILDREN)
         total += ended.ru_utime + ended.ru_stime
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -266,7 +265,10 @@ def bench_train_and_eval(args: argparse.Namespace, cfg, what: set[str]) -> dict:
             plain = plain.to(memory_format=torch.channels_last)
         amp_dtype = state.amp_dtype
         if args.compile:
-            state.model, plain = torch.compile(state.model), torch.compile(plain)
+            state.model = torch.compile(state.model)
+            # torch types compile()'s result as a callable: of a module, it is
+            # a module (an OptimizedModule).
+            plain = torch.compile(plain)  # type: ignore[assignment]
         spec = eval_spec(cfg, device, state.normalize, amp_dtype)
         spec = dataclasses.replace(spec, print_freq=10**9)
 
