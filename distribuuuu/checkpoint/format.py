@@ -341,10 +341,11 @@ def fuse_qkv(state: dict, prefix: str | None = None) -> dict:
     """``state`` with the q, k, v entries of each split attention (under
     ``prefix``, or every ``self_attention.`` one) fused into torchvision's
     ``in_proj_weight`` and ``in_proj_bias``, in place; plain tensors only."""
-    prefixes = [prefix] if prefix is not None else [
-        key[: -len("q.weight")] for key in state
-        if key.endswith("self_attention.q.weight")
-    ]  # fmt: skip
+    if prefix is not None:
+        prefixes = [prefix]
+    else:
+        split = "self_attention.q.weight"
+        prefixes = [key[: -len("q.weight")] for key in state if key.endswith(split)]
     for start in prefixes:
         for kind in ("weight", "bias"):
             names = [f"{start}{n}.{kind}" for n in "qkv"]
