@@ -120,27 +120,32 @@ def _transform(spec: DataSpec, train: bool, views: bool = False) -> v2.Transform
     resize, crop = eval_sizes(sizes)
     if views and sizes.device_crops:
         crop = resize
-    common = {
-        "mean": _statistics(name)[0],
-        "augment": augment,
-        "erasing": erasing,
-        "flip": flip_probability(sizes, name),
-        "interpolation": (
-            sizes.train_interpolation if train else sizes.test_interpolation
-        ),
-    }
+    mean, flip = _statistics(name)[0], flip_probability(sizes, name)
+    interpolation = sizes.train_interpolation if train else sizes.test_interpolation
     if name in _IMAGE_FILES:
         return imagenet_transforms(
             train,
             train_size=sizes.im_size,
             test_size=resize,
+            mean=mean,
+            augment=augment,
+            erasing=erasing,
             crop_size=crop,
+            flip=flip,
+            interpolation=interpolation,
             fused=spec.decoder == "fused",
-            **common,
         )
     native = _SMALL_IMAGES[name][0] if name in _SMALL_IMAGES else sizes.im_size
-    size = sizes.im_size if train else crop
-    return small_image_transforms(train, im_size=size, native_size=native, **common)
+    return small_image_transforms(
+        train,
+        im_size=sizes.im_size if train else crop,
+        native_size=native,
+        mean=mean,
+        flip=flip,
+        augment=augment,
+        erasing=erasing,
+        interpolation=interpolation,
+    )
 
 
 def build_normalizer(

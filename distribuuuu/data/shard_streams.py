@@ -26,7 +26,6 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from distribuuuu.data.batch_ring import RingLoader
-from distribuuuu.data.datasets import DataError
 from distribuuuu.data.samplers import sample_seed
 from distribuuuu.data.shards import (
     RawSample,
@@ -35,6 +34,7 @@ from distribuuuu.data.shards import (
     read_whole,
     shortage_message,
 )
+from distribuuuu.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +98,16 @@ class TrainStream(IterableDataset):
     wrote from a folder draw the crops ``DATA.NAME imagefolder`` draws.
     """
 
-    def __init__(self, images: ShardedImages, rank: int, world_size: int,
-                 seed: int, batch_size: int, workers: int, buffer: int):  # fmt: skip
+    def __init__(
+        self,
+        images: ShardedImages,
+        rank: int,
+        world_size: int,
+        seed: int,
+        batch_size: int,
+        workers: int,
+        buffer: int,
+    ):
         self.images, self.rank, self.world_size = images, rank, world_size
         self.seed, self.batch_size, self.buffer = seed, batch_size, buffer
         self.workers = max(1, workers)
@@ -163,10 +171,16 @@ class TrainStream(IterableDataset):
             "from %d shards, %d readers (processes x loader workers); %d samples "
             "dropped (the ends of readers' shuffled streams), %d read again "
             "(readers short of samples); %s",
-            self.epoch, self.batches, self.batch_size, self.world_size,
-            len(counts), self.world_size * self.workers, dropped, repeated,
+            self.epoch,
+            self.batches,
+            self.batch_size,
+            self.world_size,
+            len(counts),
+            self.world_size * self.workers,
+            dropped,
+            repeated,
             where,
-        )  # fmt: skip
+        )
 
     def _stream(self, shards: list[int], rng: random.Random) -> Iterator[RawSample]:
         """A reader's samples: its shards, then again in new orders, each
@@ -201,8 +215,14 @@ class EvalStream(IterableDataset):
     of the shards, split among the loader workers by whole batches; every
     sample of the set once over all processes."""
 
-    def __init__(self, images: ShardedImages, rank: int, world_size: int,
-                 batch_size: int, workers: int):  # fmt: skip
+    def __init__(
+        self,
+        images: ShardedImages,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        workers: int,
+    ):
         total = images.shards.total
         self.images, self.batch_size = images, batch_size
         self.begin = total * rank // world_size

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from distribuuuu.data.datasets import DataError
+from distribuuuu.errors import DataError, UnreadableImageError
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +64,6 @@ def sample_number(key: str) -> int:
         return int(key)
     # A name that is not UTF-8 is read with surrogates standing for its bytes.
     return zlib.crc32(key.encode("utf-8", "surrogateescape")) + 2**40
-
-
-class UnreadableImageError(DataError):
-    """The image of a sample cannot be decoded (DATA.SKIP_CORRUPT may skip it)."""
 
 
 @dataclass(frozen=True)
@@ -322,8 +318,9 @@ class ShardDecoder:
     transformed; with ``skip_corrupt`` an unreadable image is reported once
     per process and another readable sample stands in for it."""
 
-    def __init__(self, shards: ShardSet, transform: Callable, read: Callable,
-                 skip_corrupt: bool):  # fmt: skip
+    def __init__(
+        self, shards: ShardSet, transform: Callable, read: Callable, skip_corrupt: bool
+    ):
         self.shards, self.transform, self.read = shards, transform, read
         self.skip_corrupt = skip_corrupt
         self._reported: set[str] = set()

@@ -200,8 +200,10 @@ def imagenet_transforms(
     """
     mode = INTERPOLATIONS[interpolation]
     if train and fused:
-        return v2.Compose([ResizedCropFlip(train_size, mode, flip)]
-                          + _train_end(mean, augment, erasing))  # fmt: skip
+        return v2.Compose(
+            [ResizedCropFlip(train_size, mode, flip)]
+            + _train_end(mean, augment, erasing)
+        )
     if train:
         steps = [v2.RandomResizedCrop(train_size, interpolation=mode, antialias=True)]
         if flip > 0:

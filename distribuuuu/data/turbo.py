@@ -190,8 +190,10 @@ class WindowDecoder:
             return self._refused()
         out = self._buffer((y1 - y0) * (x1 - x0) * 3).view(y1 - y0, x1 - x0, 3)
         pitch = 3 * (x1 - x0)
-        if lib.tj3Decompress8(handle, source, len(data), out.data_ptr(), pitch,
-                              _PIXEL_RGB) != 0:  # fmt: skip
+        status = lib.tj3Decompress8(
+            handle, source, len(data), out.data_ptr(), pitch, _PIXEL_RGB
+        )
+        if status != 0:
             return self._refused()
         window = out[top - y0 : top - y0 + height, left - x0 : left - x0 + width]
         # Copied out of the reused buffer, always (contiguous() would return

@@ -63,8 +63,13 @@ def _recomputed_class(cls: type) -> type:
 
         def forward(self, *args, **kwargs):
             contexts = functools.partial(_recompute_contexts, self)
-            return checkpoint(super().forward, *args, use_reentrant=False,
-                              context_fn=contexts, **kwargs)  # fmt: skip
+            return checkpoint(
+                super().forward,
+                *args,
+                use_reentrant=False,
+                context_fn=contexts,
+                **kwargs,
+            )
 
     Recomputed.__name__, Recomputed.__qualname__ = cls.__name__, cls.__qualname__
     return Recomputed

@@ -81,10 +81,13 @@ def _split_on_load(state: dict, prefix: str, *args) -> None:
 def split_qkv(state: dict, prefix: str | None = None) -> dict:
     """The inverse of :func:`fuse_qkv`: torchvision's ``in_proj_*`` entries
     (under ``prefix``, or every ``self_attention.`` one) cut into q, k, v."""
-    prefixes = [prefix] if prefix is not None else [
-        key[: -len("in_proj_weight")] for key in state
-        if key.endswith("self_attention.in_proj_weight")
-    ]  # fmt: skip
+    if prefix is None:
+        ends = "self_attention.in_proj_weight"
+        prefixes = [
+            key[: -len("in_proj_weight")] for key in state if key.endswith(ends)
+        ]
+    else:
+        prefixes = [prefix]
     for start in prefixes:
         for kind in ("weight", "bias"):
             fused = state.pop(f"{start}in_proj_{kind}", None)
@@ -167,8 +170,16 @@ class VisionTransformer(nn.Module):
     """A ViT: patches, class token, fixed position embedding, pre-norm blocks,
     a final norm and a linear head on the class token."""
 
-    def __init__(self, patch: int, dim: int, depth: int, heads: int, mlp: int,
-                 num_classes: int, in_channels: int = 3):  # fmt: skip
+    def __init__(
+        self,
+        patch: int,
+        dim: int,
+        depth: int,
+        heads: int,
+        mlp: int,
+        num_classes: int,
+        in_channels: int = 3,
+    ):
         super().__init__()
         if dim % 4:
             raise ValueError(f"hidden size {dim} must be divisible by 4")

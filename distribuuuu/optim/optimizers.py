@@ -44,8 +44,9 @@ class RMSpropTF(torch.optim.Optimizer):
     def __init__(
         self, params, lr=0.01, alpha=0.9, eps=1e-3, momentum=0.9, weight_decay=0.0
     ):
-        defaults = dict(lr=lr, alpha=alpha, eps=eps, momentum=momentum,
-                        weight_decay=weight_decay)  # fmt: skip
+        defaults = dict(
+            lr=lr, alpha=alpha, eps=eps, momentum=momentum, weight_decay=weight_decay
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -78,10 +79,10 @@ class Lamb(torch.optim.Optimizer):
         w = w - lr * trust * u
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6,
-                 weight_decay=0.0):  # fmt: skip
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        trust_ratio=True)  # fmt: skip
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, trust_ratio=True
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -120,8 +121,13 @@ class Lars(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=0.0, eta=0.001):
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                        eta=eta, trust_ratio=True)  # fmt: skip
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            eta=eta,
+            trust_ratio=True,
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
