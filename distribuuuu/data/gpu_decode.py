@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from torchvision.transforms import v2
 
-from distribuuuu.data.datasets import DataError
 from distribuuuu.data.jpeg import JpegFile
 from distribuuuu.data.transforms import ToNormalizedFloat, shape_only
+from distribuuuu.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +116,10 @@ class DeferredTransform:
         return EncodedSample(
             self.geometry,
             torch.frombuffer(image.data, dtype=torch.uint8),
-            image.name,
-            box,
-            flip,
-            height * width,
+            path=image.name,
+            box=box,
+            flip=flip,
+            pixels=height * width,
         )
 
 

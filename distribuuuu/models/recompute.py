@@ -92,7 +92,7 @@ def _switch_on_timm_checkpointing(model: Any) -> int:
     ``python -O``, where that assert vanishes and nothing is switched on).
     """
     with contextlib.suppress(AssertionError):
-        model.set_grad_checkpointing(True)
+        model.set_grad_checkpointing(enable=True)
     return sum(getattr(m, "grad_checkpointing", False) is True for m in model.modules())
 
 

@@ -104,7 +104,13 @@ class GroupSyncBatchNorm(_BatchNorm):
         dtype=None,
     ):
         super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, device, dtype
+            num_features,
+            eps=eps,
+            momentum=momentum,
+            affine=affine,
+            track_running_stats=track_running_stats,
+            device=device,
+            dtype=dtype,
         )
         self.process_group = process_group
         # The class it was converted from, for revert_sync_batchnorm.
@@ -156,11 +162,11 @@ class GroupSyncBatchNorm(_BatchNorm):
         if isinstance(module, _BatchNorm) and not isinstance(module, cls):
             sync = cls(
                 module.num_features,
-                module.eps,
-                module.momentum,
-                module.affine,
-                module.track_running_stats,
-                process_group,
+                eps=module.eps,
+                momentum=module.momentum,
+                affine=module.affine,
+                track_running_stats=module.track_running_stats,
+                process_group=process_group,
             )
             sync.original_class = type(module)
             _copy_state(module, sync)

@@ -203,4 +203,6 @@ class VisionTransformer(nn.Module):
 
 def vit_tiny_patch4(num_classes: int = 10) -> VisionTransformer:
     """ViT-Tiny for 28-32 px images: patch 4, hidden 192, depth 6, 4 heads."""
-    return VisionTransformer(4, 192, 6, 4, 768, num_classes)
+    return VisionTransformer(
+        patch=4, dim=192, depth=6, heads=4, mlp=768, num_classes=num_classes
+    )
