@@ -237,7 +237,15 @@ def quiet_run(cfg) -> Iterator:
     for handler in list(package_logger.handlers):
         if not isinstance(handler, logging.FileHandler):
             package_logger.removeHandler(handler)
-    info = LaunchInfo("none", 0, 1, 0, 1, "127.0.0.1", 0)
+    info = LaunchInfo(
+        launcher="none",
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        master_addr="127.0.0.1",
+        master_port=0,
+    )
     device = torch.device(cfg.DEVICE)
     writer = MetricsWriter(cfg.OUT_DIR, enabled=False)
     try:

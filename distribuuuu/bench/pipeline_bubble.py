@@ -46,7 +46,9 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _step_seconds(kind, module, rank: int, stages: int, micro: int, settings) -> float:
+def _step_seconds(
+    kind, module, *, rank: int, stages: int, micro: int, settings: dict
+) -> float:
     """Median seconds of a schedule step of ``micro`` micro-batches."""
     stage = PipelineStage(module, rank, stages, torch.device("cpu"))
     schedule = kind(stage, micro, loss_fn=lambda y, t: y.sum())
@@ -75,7 +77,14 @@ def _rank_main(rank: int, stages: int, port: int, settings: dict, out: str) -> N
 
             t_micro = _median_seconds(alone, settings["repeats"])
             for name, kind in SCHEDULES.items():
-                t_step = _step_seconds(kind, module, rank, stages, micro, settings)
+                t_step = _step_seconds(
+                    kind,
+                    module,
+                    rank=rank,
+                    stages=stages,
+                    micro=micro,
+                    settings=settings,
+                )
                 results.append(
                     {
                         "schedule": name,

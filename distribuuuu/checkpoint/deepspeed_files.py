@@ -248,7 +248,15 @@ def _central_entry(directory: bytes, at: int) -> tuple[_Entry, int]:
     flags, method = header.flags, header.method
     if method != 0 or packed != size or flags & ~_KNOWN_FLAGS or header.disk:
         raise ZipLayoutError(f"entry {name!r} is not stored as torch.save stores")
-    return _Entry(name, flags, method, header.crc, size, offset), at
+    entry = _Entry(
+        name=name,
+        flags=flags,
+        method=method,
+        crc=header.crc,
+        size=size,
+        offset=offset,
+    )
+    return entry, at
 
 
 def _central_entries(file: BinaryIO, count: int, start: int, end: int) -> list[_Entry]:
