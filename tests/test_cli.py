@@ -20,7 +20,7 @@ import torch
 from helpers import error_line
 
 from distribuuuu import cli
-from distribuuuu.config import ConfigError
+from distribuuuu.errors import ConfigError
 from distribuuuu.models import build_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -28,7 +28,6 @@ import os
 import sys
 
 from distribuuuu import cli
-from distribuuuu.data.datasets import DataError
 from distribuuuu.data.shard_writing import (
     ShardLimits,
     digits_source,
@@ -38,6 +37,7 @@ from distribuuuu.data.shard_writing import (
     write_index,
     write_split,
 )
+from distribuuuu.errors import DataError
 
 DIGITS = "mnist5k"
 

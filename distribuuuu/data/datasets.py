@@ -14,8 +14,9 @@ from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
-from distribuuuu.data.image_files import DataError, load_image
+from distribuuuu.data.image_files import load_image
 from distribuuuu.data.packed import PackedSamples
+from distribuuuu.errors import DataError
 
 logger = logging.getLogger(__name__)
 

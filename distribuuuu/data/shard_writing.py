@@ -21,12 +21,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from distribuuuu.data.datasets import (
-    DataError,
-    find_image_classes,
-    find_image_files,
-    load_mnist5k,
-)
+from distribuuuu.data.datasets import find_image_classes, find_image_files, load_mnist5k
 from distribuuuu.data.image_files import decode_image_bytes, open_regular_file
 from distribuuuu.data.shards import (
     CLASSES_FILE,
@@ -34,6 +29,7 @@ from distribuuuu.data.shards import (
     INDEX_FILE,
     NEEDS_WEBDATASET,
 )
+from distribuuuu.errors import DataError
 
 # A source sample: a name (for messages), its label and what reads its bytes.
 SourceSample = tuple[str, int, Callable[[], tuple[bytes, str]]]

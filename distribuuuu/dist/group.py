@@ -1,6 +1,6 @@
 """Launch detection, process-group set-up and helpers that work in one process.
 
-Detection (first match wins; README.md, section Launching):
+Detection (first match wins; docs/launching.md):
 
 * ``SLURM_PROCID`` set and no ``RANK``: a Slurm task started by ``srun``; rank,
   world size and local rank come from ``SLURM_PROCID``, ``SLURM_NTASKS``,
@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from distribuuuu.errors import DistributedSetupError, LaunchError
 from distribuuuu.dist.peers import (
     backend_reason,
     forget_group,
@@ -38,6 +37,7 @@ from distribuuuu.dist.peers import (
     restart_round_store,
 )
 from distribuuuu.dist.slurm import expand_hostlist
+from distribuuuu.errors import DistributedSetupError, LaunchError
 
 logger = logging.getLogger(__name__)
 

@@ -11,6 +11,7 @@ import torch
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.checkpoint.format import capture_rng_state, restore_rng_state
+from distribuuuu.errors import RefusedCheckpointError
 
 
 def _state(epoch: int) -> dict:
@@ -89,7 +90,7 @@ def test_loading_refuses_pickled_code(tmp_path):
 
     path = tmp_path / "evil.pth"
     torch.save({"model": Evil()}, path)
-    with pytest.raises(cp.RefusedCheckpointError, match="pickled code.*system"):
+    with pytest.raises(RefusedCheckpointError, match="pickled code.*system"):
         cp.load_file(str(path))
 
 

@@ -35,7 +35,8 @@ from test_hostile import (
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.config import MAX_YAML_BYTES, dump_cfg, get_cfg, load_cfg
-from distribuuuu.inference.read import CheckpointError, read_checkpoint, saved_cfg
+from distribuuuu.errors import CheckpointError, OutputPathError
+from distribuuuu.inference.read import read_checkpoint, saved_cfg
 from distribuuuu.preflight import check_batch_fits
 
 
@@ -280,7 +281,7 @@ def test_dump_cfg_leaves_no_temporary_file(tmp_path):
     """A write refused (here: CFG_DEST taken by a folder) leaves no temp file."""
     cfg = get_cfg()
     (tmp_path / cfg.CFG_DEST).mkdir()
-    with pytest.raises(cp.OutputPathError, match="is a folder"):
+    with pytest.raises(OutputPathError, match="is a folder"):
         dump_cfg(cfg, str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [cfg.CFG_DEST]
     shutil.rmtree(tmp_path / cfg.CFG_DEST)

@@ -22,8 +22,8 @@ from helpers import import_tool, refused
 from PIL import Image
 from test_hostile import LENET, make_image_folder
 
-from distribuuuu.data.datasets import DataError
 from distribuuuu.data.shards import ShardDecoder, open_shards, read_shard
+from distribuuuu.errors import DataError
 
 
 def make_shards(capsys, *args: str) -> tuple[int, list[str]]:

@@ -23,6 +23,7 @@ from helpers import slurm_ready
 from helpers import REPO, TINY, TRAIN_NET, descendants, kill_tree, run_command, start
 
 import distribuuuu.dist.group as du
+from distribuuuu.errors import LaunchError
 from distribuuuu.dist.peers import peer_failure
 
 needs_slurm = pytest.mark.skipif(
@@ -63,7 +64,7 @@ def test_detect_launch_refuses_a_batch_script_of_several_tasks(step):
     env = dict(BATCH_ENV)
     if step is not None:
         env["SLURM_STEP_ID"] = step
-    with pytest.raises(du.LaunchError, match="srun") as caught:
+    with pytest.raises(LaunchError, match="srun") as caught:
         du.detect_launch(env)
     assert "task 0 of 2" in str(caught.value)
     # One task in the batch script is one process; srun's tasks are a job.

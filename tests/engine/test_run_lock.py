@@ -28,8 +28,8 @@ from helpers import (
 )
 
 from distribuuuu import preflight
-from distribuuuu.config import ConfigError
 from distribuuuu.engine import run_lock, trainer
+from distribuuuu.errors import ConfigError
 
 # A live run, as far as the lock can tell: takes OUT_DIR's lock, says so, sleeps.
 HOLDER = """
@@ -109,7 +109,7 @@ from distribuuuu.engine import run_lock
 try:
     run_lock.lock_out_dir(sys.argv[1])
     print("free")
-except run_lock.OutDirInUseError as error:
+except OutDirInUseError as error:
     print(error)
 """
 
