@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 from torch import nn
@@ -70,10 +70,11 @@ def average_gradients(params: list[nn.Parameter], group, size: int) -> None:
     ``size`` ranks of ``group``, in one all-reduce."""
     if size == 1:
         return
+    grads = []
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-    grads = [_local(param.grad) for param in params]
+        grads.append(_local(param.grad))
     flat = torch._utils._flatten_dense_tensors(grads)
     torch.distributed.all_reduce(flat, group=group)
     flat /= size
@@ -98,7 +99,8 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float) -> None:
     norms = []
     for mesh, group in groups.items():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group])
-        norms.append(norm if mesh is None else norm.full_tensor())
+        # The norm of DTensors is a DTensor (torch types it a Tensor).
+        norms.append(norm if mesh is None else cast(DTensor, norm).full_tensor())
     total = torch.linalg.vector_norm(torch.stack(norms))
     for group in groups.values():  # parameters, whose .grad is scaled
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
@@ -176,7 +178,9 @@ class Strategy:
     pp_group: ProcessGroup | None = None
 
     def __init__(self, spec: StrategySpec):
-        self.spec, self.device, self.amp_dtype = spec, spec.device, spec.amp_dtype
+        self.spec, self.amp_dtype = spec, spec.amp_dtype
+        # A strategy is built once the process has chosen its device: never None.
+        self.device = cast(torch.device, spec.device)
         self.tensor_parallel = None
         if spec.tensor_parallel > 1:
             from distribuuuu.strategies.tensor import TensorParallel

@@ -39,6 +39,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -144,6 +145,12 @@ def release_shm_buffers() -> None:
         os.unlink(os.path.join("/dev/shm", name + str(du.get_rank())))
 
 
+def _engine(model: nn.Module) -> Any:
+    """``model``, the DeepSpeedEngine that prepare_model returned (untyped:
+    its ``optimizer`` and ``module`` are DeepSpeed's)."""
+    return model
+
+
 @register
 class DeepSpeedStrategy(Strategy):
     """DeepSpeed's engine with ZeRO; our optimizer, schedule and checkpoints."""
@@ -227,7 +234,7 @@ class DeepSpeedStrategy(Strategy):
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The engine's ZeRO optimizer: its parameter groups are ours (the
         schedule sets their learning rate)."""
-        return model.optimizer
+        return _engine(model).optimizer
 
     def forward_is_collective(self, model: nn.Module) -> bool:
         """Stage 3 gathers each layer's parameters for its forward pass."""
@@ -243,12 +250,12 @@ class DeepSpeedStrategy(Strategy):
     def memory_mb(self, model: nn.Module) -> dict:
         """MiB this process holds of parameters, gradients and optimizer state
         (the state as the optimizer will hold it after its first step)."""
-        zero = model.optimizer
+        zero, module = _engine(model).optimizer, _engine(model).module
         if self.stage == 3:
-            mine = [p.ds_tensor for p in model.module.parameters()]
+            mine = [p.ds_tensor for p in module.parameters()]
             partition = sum(t.numel() for t in zero.fp32_partitioned_groups_flat)
         else:
-            mine = list(model.module.parameters())
+            mine = list(module.parameters())
             partition = sum(t.numel() for t in zero.single_partition_of_fp32_groups)
         params = sum(t.numel() * t.element_size() for t in mine)
         grads = params if self.stage == 1 else partition * 4
@@ -295,7 +302,7 @@ class DeepSpeedStrategy(Strategy):
         """
         from deepspeed.utils import safe_get_full_fp32_param
 
-        module = model.module
+        module = _engine(model).module
         keep = du.is_main_process()
         if self.stage != 3:
             if not keep:
@@ -316,13 +323,13 @@ class DeepSpeedStrategy(Strategy):
         the optimizer's fp32 master copy."""
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-        module = model.module
+        module = _engine(model).module
         gather = contextlib.nullcontext()
         if self.stage == 3:
             gather = GatheredParameters(list(module.parameters()), modifier_rank=0)
         with gather:
             module.load_state_dict(weights, strict=strict)
-        model.optimizer.refresh_fp32_params()
+        _engine(model).optimizer.refresh_fp32_params()
 
     def load_model_weights(self, model, weights, path, finetune_classes=None):
         def load(whole: dict, strict: bool) -> None:

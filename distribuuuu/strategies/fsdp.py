@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -55,7 +56,7 @@ def shard_fully(
     backward passes compute with (None: as stored).
     """
     mesh = mesh or init_device_mesh(device.type, (du.get_world_size(),))
-    options = {
+    options: dict[str, Any] = {
         "mesh": mesh,
         "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")
         if cpu_offload
@@ -87,7 +88,7 @@ def shard_fully(
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
+def is_sharded(model: nn.Module) -> TypeGuard[FSDPModule]:
     """True for a model sharded with FSDP, whose forward is a collective."""
     return isinstance(model, FSDPModule)
 

@@ -289,7 +289,8 @@ class PipelineStrategy(Strategy):
         self.pipe = spec.pipeline
         self.stages, self.pieces = self.pipe.stages, self.pipe.pieces
         self.micro = self.pipe.micro_batches
-        self.step_loss: Callable | None = None
+        # Set by each train_step, before its schedule computes a loss.
+        self.step_loss: Callable[..., torch.Tensor] | None = None
 
     # --- the model ------------------------------------------------------- #
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -342,6 +343,7 @@ class PipelineStrategy(Strategy):
         return kind(first, self.micro, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self.step_loss is not None  # the schedule runs in train_step
         return self.step_loss(logits, target)
 
     def describe(self, model: nn.Module) -> str:

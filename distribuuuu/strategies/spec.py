@@ -69,6 +69,10 @@ def _no_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     raise ValueError("this StrategySpec was built without an optimizer recipe")
 
 
+def _no_param_groups(model: nn.Module) -> list:
+    raise ValueError("this StrategySpec was built without an optimizer recipe")
+
+
 @dataclasses.dataclass(frozen=True)
 class StrategySpec:
     """Everything a strategy reads, built once per run.
@@ -102,5 +106,5 @@ class StrategySpec:
     pipeline: PipelineSpec = PipelineSpec()
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
     build_optimizer: Callable[[nn.Module], torch.optim.Optimizer] = _no_optimizer
-    param_groups: Callable[[nn.Module], list] | None = None
+    param_groups: Callable[[nn.Module], list] = _no_param_groups
     optimizer_state_tensors: int = 1

@@ -18,7 +18,9 @@ them into a plain torchvision ViT.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -40,7 +42,9 @@ class TensorParallel:
     refused = {FP16: "DIST.TENSOR_PARALLEL; use bf16"}
 
     def __init__(self, spec: StrategySpec):
-        self.size, self.device = spec.tensor_parallel, spec.device
+        self.size = spec.tensor_parallel
+        # Built with its strategy, once the device is chosen: never None.
+        self.device = cast(torch.device, spec.device)
         self.sequence_parallel = spec.sequence_parallel
         self.rank = 0  # in the tensor-parallel group, once applied
 
