@@ -9,6 +9,7 @@ section of its consumer, or a new section at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
-from distribuuuu.config import flat_cfg, resolve_data_name
+from distribuuuu.config import flat_cfg
 from distribuuuu.data import eval_sizes
 from distribuuuu.data.spec import DataSpec, LoaderSpec, TransformSpec
 from distribuuuu.data.transforms import CROP_MODES
@@ -28,6 +29,7 @@ from distribuuuu.engine.profiling import ProfileSpec
 from distribuuuu.engine.resume import ResumeSpec, SaveSpec
 from distribuuuu.engine.run_log import LogSpec
 from distribuuuu.engine.state import BatchPlan, TrainState
+from distribuuuu.inference.read import eval_data_spec
 from distribuuuu.models.spec import ModelSpec
 from distribuuuu.optim import build as optim
 from distribuuuu.optim.spec import OptimizerSpec, ScheduleSpec
@@ -217,19 +219,13 @@ def transform_spec(cfg: CfgNode) -> TransformSpec:
 
 def data_spec(cfg: CfgNode) -> DataSpec:
     """The data set (DATA.NAME resolved), where its splits lie, how its
-    images are read and turned into tensors, and MODEL.NUM_CLASSES."""
-    return DataSpec(
-        name=resolve_data_name(cfg),
+    images are read and turned into tensors, and MODEL.NUM_CLASSES: the
+    evaluation side that inference reads too, with training's added."""
+    return dataclasses.replace(
+        eval_data_spec(cfg),
         transform=transform_spec(cfg),
-        num_classes=cfg.MODEL.NUM_CLASSES,
-        decoder=cfg.DATA.DECODER,
         train_dataset=cfg.TRAIN.DATASET,
         train_split=cfg.TRAIN.SPLIT,
-        test_dataset=cfg.TEST.DATASET,
-        test_split=cfg.TEST.SPLIT,
-        download=cfg.DATA.DOWNLOAD,
-        skip_corrupt=cfg.DATA.SKIP_CORRUPT,
-        synthetic_size=tuple(cfg.DATA.SYNTHETIC_SIZE),
     )
 
 

@@ -200,9 +200,9 @@ def inference_cfg(
 
 
 def eval_data_spec(cfg: CfgNode) -> DataSpec:
-    """The evaluation side of an inference cfg's data set: what evaluating
-    reads, as ``distribuuuu.engine.specs.data_spec`` fills it (which this
-    floor cannot import); training's files and augmentations left off."""
+    """The evaluation side of a cfg's data set: what evaluating and
+    inference read (``distribuuuu.engine.specs.data_spec`` adds training's
+    files and augmentations to it)."""
     test = cfg.TEST
     transform = TransformSpec(
         im_size=cfg.TRAIN.IM_SIZE,
