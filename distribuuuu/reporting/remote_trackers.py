@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from distribuuuu.reporting.trackers import (
     FAILED,
@@ -97,7 +98,7 @@ class TrackerSpec:
 def _not_from_trackers(record: logging.LogRecord) -> bool:
     """False for the records of a tracker's thread (urllib3's "Retrying"
     warnings): a failing tracker says so once, in its own words."""
-    return not record.threadName.startswith(_THREAD_PREFIX)
+    return not (record.threadName or "").startswith(_THREAD_PREFIX)
 
 
 class _Worker:
@@ -290,7 +291,7 @@ class MlflowTracker(_RemoteTracker):
         for name, value in MLFLOW_HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
         self._run_id: str | None = None
-        self._client = None
+        self._client: Any = None  # an MlflowClient, once started
         self._started = threading.Event()  # the run was created, or failed to be
         self._waited = False
 
@@ -386,7 +387,7 @@ class WandbTracker(_RemoteTracker):
         self.keys = keys
         # Known before W&B starts, so that the first checkpoint holds it.
         self._run_id = uuid.uuid4().hex[:12]
-        self._run = None
+        self._run: Any = None  # the wandb run, once started
 
     @property
     def run_id(self) -> str | None:

@@ -242,6 +242,6 @@ def confusion_image(matrix: torch.Tensor, classes: list[str]) -> np.ndarray:
     if cell >= 24:
         for (true, pred), count in np.ndenumerate(matrix.numpy()):
             ink = (255, 255, 255) if share[true, pred] > 0.5 else black
-            middle = (left + pred * cell + cell // 2, top + true * cell + cell // 2)
-            draw.text(middle, str(count), fill=ink, font=font, anchor="mm")
+            center = (left + pred * cell + cell // 2, top + true * cell + cell // 2)
+            draw.text(center, str(count), fill=ink, font=font, anchor="mm")
     return np.asarray(image)

@@ -20,7 +20,7 @@ import logging
 import os
 import stat
 from collections.abc import Iterable
-from typing import IO
+from typing import IO, Any
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class CsvTracker(Tracker):
 
     def log(self, record: dict, scalars: dict, step: int) -> None:
         split = record["split"]
-        row = {"step": step} if split == "train" else {}
+        row: dict[str, Any] = {"step": step} if split == "train" else {}
         plain = (bool, int, float, str)
         row.update(
             (k, v) for k, v in record.items() if k != "split" and isinstance(v, plain)

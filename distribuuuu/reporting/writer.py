@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import IO, cast
 
 from distribuuuu.reporting.trackers import TensorboardTracker, open_to_append
 
@@ -21,14 +22,15 @@ class MetricsWriter:
 
     def __init__(self, out_dir: str, enabled: bool, trackers: list | None = None):
         self.enabled = enabled
-        self._file = None
-        self.trackers = []
+        self._file: IO[str] | None = None
+        self.trackers: list = []
         if enabled:
             os.makedirs(out_dir, exist_ok=True)
             # Never through a link: one planted there is set aside with a warning.
             self._file = open_to_append(os.path.join(out_dir, METRICS_FILE))
-            default = trackers is None
-            self.trackers = [TensorboardTracker(out_dir)] if default else trackers
+            if trackers is None:
+                trackers = [TensorboardTracker(out_dir)]
+            self.trackers = trackers
 
     def start(self, run_ids: dict[str, str]) -> None:
         """Begin the trackers' runs, continuing those of ``run_ids`` (tracker
@@ -49,8 +51,9 @@ class MetricsWriter:
         """
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        file = cast(IO[str], self._file)  # open from __init__ to close()
+        file.write(json.dumps(record) + "\n")
+        file.flush()
         if scalars:
             for tracker in self.trackers:
                 tracker.log(record, scalars, step)
