@@ -13,7 +13,7 @@ import logging
 import random
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -292,7 +292,8 @@ def capture_rng_state(devices: Sequence[torch.device] = ()) -> dict:
     generators are not its.
     """
     version, numbers, gauss = random.getstate()
-    np_state = np.random.get_state()
+    # The legacy tuple (numpy types get_state as that tuple or a dict).
+    np_state = cast(tuple, np.random.get_state())
     state = {
         "python": [version, list(numbers), gauss],
         "numpy": [

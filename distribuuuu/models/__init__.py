@@ -16,6 +16,7 @@ import logging
 import sys
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from distribuuuu.models import botnet, regularize, small, vit
@@ -228,12 +229,13 @@ def zero_init_residual(model: nn.Module) -> int:
     (``zero_init_last``).  The number of blocks changed (0: none found)."""
     count = 0
     for module in model.modules():
-        if callable(getattr(module, "zero_init_last", None)):  # timm's blocks
-            module.zero_init_last()
+        zero_init_last = getattr(module, "zero_init_last", None)
+        if callable(zero_init_last):  # timm's blocks
+            zero_init_last()
             count += 1
             continue
         norm = _last_residual_norm(module)
-        if norm is not None and norm.weight is not None:
+        if norm is not None and isinstance(norm.weight, torch.Tensor):  # not None
             nn.init.zeros_(norm.weight)
             count += 1
     return count

@@ -13,6 +13,8 @@ looking for the layers afterwards.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -48,9 +50,10 @@ def constructor_options(spec: ModelSpec, small: bool, timm: bool) -> dict:
     return options
 
 
-def _vit_drop_path(model: nn.Module, rate: float) -> None:
-    """Stochastic depth on torchvision's ViT: after the attention's dropout and
-    at the end of the MLP of block i of L, with probability rate * i / (L - 1)."""
+def _vit_drop_path(model: Any, rate: float) -> None:
+    """Stochastic depth on torchvision's ViT (untyped): after the attention's
+    dropout and at the end of the MLP of block i of L, with probability
+    rate * i / (L - 1)."""
     from torchvision.ops import StochasticDepth
 
     blocks = list(model.encoder.layers)
