@@ -51,7 +51,7 @@ AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
 TRACKERS = ("tensorboard", "mlflow", "wandb", "csv", "jsonl")
 
 # Keys with a fixed set of values.
-CHOICES = {
+CHOICES: dict[str, tuple] = {
     "DATA.NAME": DATA_NAMES,
     "DATA.AUTO_AUGMENT": AUTO_AUGMENTS,
     "DATA.DECODER": ("fused", "tensor", "pil", "gpu"),

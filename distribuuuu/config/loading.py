@@ -145,12 +145,12 @@ class _BoundedLoader(yaml.SafeLoader):
     hold for the expanded document that callers walk.
     """
 
-    def __init__(self, stream):
+    def __init__(self, stream) -> None:
         super().__init__(stream)
         self._nesting = 0
         self._expanded: dict[int, tuple[yaml.Node, int, int]] = {}
 
-    def compose_node(self, parent, index):
+    def compose_node(self, parent, index) -> yaml.Node:
         """Compose one node as yaml does, counting its depth and expanded size."""
         self._nesting += 1
         if self._nesting > MAX_YAML_DEPTH:
@@ -182,7 +182,7 @@ class _BoundedLoader(yaml.SafeLoader):
         self._expanded[id(node)] = (node, depth, size)
         return node
 
-    def construct_mapping(self, node, deep=False):
+    def construct_mapping(self, node, deep=False) -> dict:
         """A mapping as yaml builds it, refusing a key given twice (yaml keeps
         the last silently: a second ``OPTIM:`` block would drop the first).
 
