@@ -94,7 +94,7 @@ def _rank_main(rank: int, stages: int, port: int, settings: dict, out: str) -> N
                         "ideal_bubble": (stages - 1) / (micro + stages - 1),
                     }
                 )
-        gathered = [None] * stages
+        gathered: list[list | None] = [None] * stages
         dist.all_gather_object(gathered, results)
         if rank == 0:
             torch.save(gathered, out)

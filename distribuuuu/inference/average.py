@@ -68,6 +68,7 @@ def average_checkpoints(paths: list[str]) -> dict:
         epoch = meta.get("epoch", -1)
         if newest is None or epoch >= newest[0]:
             newest = (epoch, meta, weights)
+    assert newest is not None and layout is not None  # two paths or more
     _, meta, weights = newest
     model = {
         key: (sums[key] / len(paths)).to(dtype) if key in sums else weights[key]

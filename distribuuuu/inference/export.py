@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -131,7 +131,7 @@ def max_difference(expected: torch.Tensor, module: Callable, batch: torch.Tensor
 
 
 def write_and_compare(
-    writers: list[tuple[str, str | None, Callable]],
+    writers: Sequence[tuple[str, str | None, Callable]],
     expected: torch.Tensor,
     check: torch.Tensor,
 ) -> list[tuple[str, str, float, str]]:

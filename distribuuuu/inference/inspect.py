@@ -70,6 +70,7 @@ def _progress(ckpt: Checkpoint) -> dict:
 def summarize(ckpt: Checkpoint) -> dict:
     """Everything the inspector reports, as a JSON-ready dict (absent: None)."""
     diff = _cfg_diff(ckpt)
+    num_classes: int | None
     saved_arch, num_classes = saved_model(ckpt)
     arch = ckpt.get("arch") or (saved_arch if diff is not None else None)
     if diff is None:  # no cfg: only the saved class names say how many

@@ -199,7 +199,7 @@ class _PropsReader:
             and all(type(v) in (int, float) and low <= v <= 1e3 for v in value)
         ):
             raise self.fail(key, f"is not 3 numbers in [{low:g}, 1000]")
-        return tuple(float(v) for v in value)
+        return float(value[0]), float(value[1]), float(value[2])
 
     def classes(self) -> list[str]:
         value = self.json("classes")
@@ -254,6 +254,8 @@ def export_program(model: nn.Module, example: torch.Tensor, metadata: OnnxMetada
             f"{metadata.arch} cannot be exported to ONNX: torch's exporter has "
             f"no ONNX function for the operator {operator}"
         ) from None
+    # dynamo=True: a program, always (None is the legacy exporter's).
+    assert program is not None
     program.model.metadata_props.update(metadata.to_props())
     return program.model_proto
 

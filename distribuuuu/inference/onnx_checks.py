@@ -32,6 +32,7 @@ import functools
 import importlib
 import os
 import stat
+from typing import Any
 
 from distribuuuu.errors import OnnxError
 
@@ -68,7 +69,7 @@ class _MalformedError(ValueError):
 
 
 @functools.cache
-def _wire_schema(descriptor) -> dict[int, tuple[int, object, bool]]:
+def _wire_schema(descriptor) -> dict[int, tuple[int, Any, bool]]:
     """Field number -> (its wire type, its message type or None, repeated)."""
     from google.protobuf.descriptor import FieldDescriptor as Field
 

@@ -54,7 +54,9 @@ def split_weight_decay(
     separate switch (``--transformer-embedding-decay``).  Each list keeps the
     order of ``model.parameters()``; a shared parameter is counted once.
     """
-    decay, no_decay, seen = [], [], set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen = set()
     for module in model.modules():
         is_norm = isinstance(module, NORM_LAYERS)
         for name, param in module.named_parameters(recurse=False):
