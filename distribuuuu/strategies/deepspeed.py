@@ -187,12 +187,12 @@ class DeepSpeedStrategy(Strategy):
     def check_layout(cls, spec: StrategySpec, world_size: int, skeleton) -> None:
         """DeepSpeed installed, the nvme path writable, a user's json readable
         and in agreement with our keys (``auto`` resolved on ``spec.device``,
-        as the ranks will resolve it: never fp16, which DeepSpeed refuses)."""
+        as the ranks will resolve it: never to fp16, which it refuses)."""
         if not deepspeed_installed():
             raise ValueError(MISSING)
         check_nvme(spec.deepspeed)
-        device = spec.device or torch.device("cpu")
-        precision = resolve_auto_precision(spec.precision, device, fp16_allowed=False)
+        device, fp16 = spec.device or torch.device("cpu"), FP16 not in cls.refused
+        precision = resolve_auto_precision(spec.precision, device, fp16_allowed=fp16)
         run_config(dataclasses.replace(spec, precision=precision), world_size)
 
     @classmethod
