@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from PIL import Image
@@ -43,6 +44,7 @@ from distribuuuu.errors import DataError
 __all__ = [
     "DataError",
     "DataSpec",
+    "ImageDataset",
     "LoaderSpec",
     "TransformSpec",
     "build_dataset",
@@ -150,10 +152,10 @@ def _transform(spec: DataSpec, train: bool, views: bool = False) -> v2.Transform
 
 def build_normalizer(
     spec: DataSpec, device: torch.device, channels_last: bool = False
-) -> ToNormalizedFloat:
+) -> ToNormalizedFloat | gpu_decode.DeviceDecoder:
     """The input step after the data set: its uint8 images (one, or a batch)
     copied to ``device`` as float32 normalised with the data set's mean and
-    std, optionally channels-last."""
+    std, optionally channels-last (DATA.DECODER gpu: decoding them first)."""
     mean, std = _statistics(spec.name)
     normalize = ToNormalizedFloat(mean, std, channels_last).to(device)
     if spec.decoder == "gpu":  # the batches are JPEG bytes: decode them there
@@ -189,7 +191,8 @@ def describe_decoder(spec: DataSpec) -> str:
 
 
 def build_test_transform(
-    spec: DataSpec, normalize: ToNormalizedFloat | None = None
+    spec: DataSpec,
+    normalize: ToNormalizedFloat | gpu_decode.DeviceDecoder | None = None,
 ) -> v2.Compose:
     """The whole evaluation input pipeline of the data set for one image of
     any size as :func:`image_reader` gives it, normalisation included (by
@@ -211,7 +214,18 @@ def build_test_transform(
     return v2.Compose(steps)
 
 
-def build_dataset(spec: DataSpec, train: bool) -> Dataset:
+# What build_dataset returns: map-style data sets of labelled images, each
+# with its ``classes`` and a length (torch's Dataset declares neither).
+ImageDataset = (
+    ds.TensorImageDataset
+    | ds.SyntheticDataset
+    | ds.CheckedImageFolder
+    | ds.SkipUnreadable
+    | ShardedImages
+)
+
+
+def build_dataset(spec: DataSpec, train: bool) -> ImageDataset:
     """The train or validation data set named by ``spec.name`` (DATA.NAME)."""
     name = spec.name
     transform = _transform(spec, train, views=True)
@@ -236,10 +250,10 @@ def build_dataset(spec: DataSpec, train: bool) -> Dataset:
 
 def _image_folder_dataset(
     spec: DataSpec, train: bool, transform: v2.Transform
-) -> Dataset:
+) -> ds.CheckedImageFolder | ds.SkipUnreadable:
     """The class folders of the train or val split, read by DATA.DECODER."""
     path, key = _image_folder(spec, train)
-    reader = image_reader(spec.decoder)
+    reader: Callable[[str], Any] = image_reader(spec.decoder)
     if spec.decoder == "gpu":  # the workers serve bytes and crop draws
         transform = gpu_decode.DeferredTransform(transform)
         reader = read_or_defer
@@ -398,7 +412,7 @@ class SeededDataset(Dataset):
     sample's augmentation is fixed by its seed (cheap: about 1 us a sample).
     """
 
-    def __init__(self, dataset: Dataset):
+    def __init__(self, dataset: ImageDataset):
         self.dataset = dataset
 
     def __len__(self) -> int:
@@ -412,7 +426,7 @@ class SeededDataset(Dataset):
 
 def build_train_loader(
     spec: LoaderSpec,
-    dataset: Dataset,
+    dataset: ImageDataset,
     *,
     rank: int,
     world_size: int,
@@ -456,7 +470,7 @@ def build_train_loader(
 
 def build_test_loader(
     spec: LoaderSpec,
-    dataset: Dataset,
+    dataset: ImageDataset,
     rank: int,
     world_size: int,
     device: torch.device,

@@ -10,7 +10,9 @@ evaluation transforms alone (an exported model's) names only what they read.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -60,3 +62,15 @@ class LoaderSpec:
     shuffle_buffer: int  # DATA.SHUFFLE_BUFFER of WebDataset shards
     repeated_aug: int  # DATA.REPEATED_AUG
     test_batch_size: int  # TEST.BATCH_SIZE
+
+
+class Loader(Protocol):
+    """What the engine reads of a loader: a DataLoader, a ShardLoader, the
+    watchdog's WatchedLoader or the benchmark's InMemoryLoader."""
+
+    sampler: Any  # its set_epoch(epoch, start=0) comes before an epoch
+    dataset: Any  # the samples, by position
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator: ...

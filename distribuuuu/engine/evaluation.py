@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.data import empty_batch
+from distribuuuu.data.spec import Loader
 from distribuuuu.dist import group as du
 from distribuuuu.engine.state import TrainState
 from distribuuuu.engine.tta import tta_logits
@@ -63,7 +63,7 @@ def strategy_eval(strategy, model: nn.Module) -> dict:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader: DataLoader, spec: EvalSpec
+    model: nn.Module, loader: Loader, spec: EvalSpec
 ) -> tuple[dict, torch.Tensor]:
     """Exact evaluation of ``model`` (as the strategy gives it to evaluate):
     every sample once, sums reduced over all processes.
@@ -105,7 +105,7 @@ def evaluate(
     return sums.reduce(), confusion.reduce()
 
 
-def recompute_bn(state: TrainState, loader: DataLoader, batches: int) -> None:
+def recompute_bn(state: TrainState, loader: Loader, batches: int) -> None:
     """Precise BN over the first ``batches`` batches (TRAIN.PRECISE_BN) of the
     epoch just trained (the same batches after a resume)."""
     loader.sampler.set_epoch(state.progress.epoch - 1)
@@ -121,8 +121,8 @@ def recompute_bn(state: TrainState, loader: DataLoader, batches: int) -> None:
 def evaluate_epoch(
     spec: EvalSpec,
     state: TrainState,
-    train_loader: DataLoader,
-    val_loader: DataLoader,
+    train_loader: Loader,
+    val_loader: Loader,
     *,
     precise_bn: int = 0,
     train_peak: list[float] | None = None,

@@ -15,8 +15,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import DataLoader
 
+from distribuuuu.data.spec import Loader
 from distribuuuu.dist import group as du
 from distribuuuu.dist.slurm import requeue_slurm_job
 from distribuuuu.engine.losses import (
@@ -52,7 +52,7 @@ class LoopSpec:
 
 def train_epoch(
     state: TrainState,
-    loader: DataLoader,
+    loader: Loader,
     spec: LoopSpec,
     after_step: Callable[[], bool] = lambda: False,
 ) -> bool:
@@ -71,7 +71,7 @@ def train_epoch(
     meter = MetricSums(state.device, spec.log.topk)
     loss_fn = build_train_loss(spec.loss)
     status = TrainStatus(spec.log, state, first, total) if live_console() else None
-    batches = iter(loader)
+    batches: Iterator = iter(loader)
     profiler = StepProfiler.for_epoch(spec.profile, state, total - first)  # or None
     if profiler:
         batches = profiler.watch(batches)
@@ -128,6 +128,7 @@ def micro_batches(
     (seeded by the micro-batch's place in the epoch's global order).
     """
     progress, plan, device = state.progress, state.plan, state.device
+    loss_targets: torch.Tensor | Distilled
     # Micro-batch m of this replica starts at global position first + m * stride.
     replica = state.strategy.data_parallel()[0]
     first, stride = progress.consumed + replica, plan.per_rank * plan.world_size

@@ -149,7 +149,9 @@ class TrainLoss:
             mixed, soft = self.mixer(images, targets)
         return mixed, targets, soft
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, logits: torch.Tensor, targets: torch.Tensor | Distilled
+    ) -> torch.Tensor:
         """Mean cross-entropy against class indices or soft targets (N x C).
 
         Label smoothing mixes every target with the uniform distribution,
@@ -164,6 +166,7 @@ class TrainLoss:
         own = F.cross_entropy(
             logits, targets.targets, label_smoothing=self.label_smoothing
         )
+        assert self.distillation is not None  # a teacher's logits come with it
         alpha = self.distillation.alpha
         taught = self.distillation.loss(logits, targets.teacher_logits)
         return (1 - alpha) * own + alpha * taught

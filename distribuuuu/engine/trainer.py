@@ -12,22 +12,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.checkpoint.format import SavedRun, restore_rng_state
 from distribuuuu.config import dump_cfg
 from distribuuuu.data import (
+    ImageDataset,
     build_dataset,
     build_normalizer,
     build_test_loader,
     build_train_loader,
     describe_decoder,
 )
+from distribuuuu.data.spec import Loader
 from distribuuuu.dist import group as du
 from distribuuuu.dist.watchdog import Watchdog
 from distribuuuu.engine import specs
@@ -152,7 +154,7 @@ def write_run_config(cfg: CfgNode, device: torch.device, world_size: int) -> Non
 
 def build_train_state(
     cfg: CfgNode, info: du.LaunchInfo, device: torch.device, writer: MetricsWriter
-) -> tuple[TrainState, DataLoader, DataLoader]:
+) -> tuple[TrainState, Loader, Loader]:
     """Data, model, strategy, optimizer, resume state and loaders of a
     training run.  Logs the start-up report; all ranks must call it."""
     seed = resolve_seed(cfg.RNG_SEED)
@@ -313,12 +315,12 @@ def fullest(memory: dict) -> dict:
 
 def build_loaders(
     cfg: CfgNode,
-    datasets: tuple[Dataset, Dataset],
+    datasets: tuple[ImageDataset, ImageDataset],
     plan: BatchPlan,
     replica: int,
     seed: int,
     device: torch.device,
-) -> tuple[DataLoader, DataLoader]:
+) -> tuple[Loader, Loader]:
     """The training and validation loaders of the data-parallel ``replica``
     (of ``plan.world_size``); the training loader checked against ``plan``."""
     loaders = specs.loader_spec(cfg)
@@ -337,7 +339,7 @@ def build_loaders(
     return train_loader, val_loader
 
 
-def check_loader(loader: DataLoader, plan) -> None:
+def check_loader(loader: Loader, plan) -> None:
     """Refuse a step larger than the training images each process gets."""
     if len(loader) < plan.accum:
         raise ValueError(
@@ -350,8 +352,8 @@ def check_loader(loader: DataLoader, plan) -> None:
 def train_epochs(
     cfg: CfgNode,
     state: TrainState,
-    train_loader: DataLoader,
-    val_loader: DataLoader,
+    train_loader: Loader,
+    val_loader: Loader,
     stop: StopRequest,
 ) -> dict:
     """The epoch loop of :func:`train_model`: train, evaluate, keep the best
@@ -375,7 +377,10 @@ def train_epochs(
         if train_epoch(state, train_loader, loop, after_step):
             return end_stopped_run(stopped_by, requeue=cfg.DIST.REQUEUE)
         # Samples trained in the epoch (over restarts, if any) and its peak.
-        epoch = {"trained": progress.consumed, "train_peak": memory.read()}
+        epoch: dict[str, Any] = {
+            "trained": progress.consumed,
+            "train_peak": memory.read(),
+        }
         progress.epoch, progress.consumed = progress.epoch + 1, 0
         loaders = (train_loader, val_loader)
         stats = evaluate_and_keep_best(cfg, state, loaders, **epoch)
@@ -398,7 +403,7 @@ def train_epochs(
 def evaluate_and_keep_best(
     cfg: CfgNode,
     state: TrainState,
-    loaders: tuple[DataLoader, DataLoader],
+    loaders: tuple[Loader, Loader],
     *,
     trained: int,
     train_peak: list[float],

@@ -39,7 +39,7 @@ from distribuuuu.strategies.precision import autocast
 from distribuuuu.strategies.spec import StrategySpec
 
 if TYPE_CHECKING:  # imported for the annotations only
-    from distribuuuu.engine.losses import TrainLoss
+    from distribuuuu.engine.losses import Distilled, TrainLoss
     from distribuuuu.engine.state import TrainState
     from distribuuuu.models.ema import ModelEma
     from distribuuuu.reporting.meters import MetricSums
@@ -47,8 +47,9 @@ if TYPE_CHECKING:  # imported for the annotations only
 logger = logging.getLogger(__name__)
 
 # One micro-batch of a training step: the model's input, the labels (for the
-# metrics) and the loss targets (mixed labels under Mixup/CutMix).
-MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# metrics) and the loss targets (mixed labels under Mixup/CutMix; beside the
+# teacher's logits under distillation).
+MicroBatch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | Distilled"]
 
 
 def check_current_device(device: torch.device, library: str) -> None:
