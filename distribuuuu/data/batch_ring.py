@@ -30,11 +30,13 @@ import multiprocessing
 import os
 import weakref
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.data import DataLoader, get_worker_info
 from torch.utils.data._utils.collate import default_collate
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 FREE, TAKEN = 0, 1
 # Slots of a worker: the DataLoader's 2 batches in flight a worker (its
@@ -184,14 +186,15 @@ class RingLoader(DataLoader):
         self.collate_fn = BatchRing(self.num_workers, context)
         self.new_segments = 0
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    # torch types a DataLoader's iterators as its own; ours wraps one.
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # type: ignore[override]
         return _Batches(super().__iter__(), self)
 
 
 class _Batches:
     """The (images, labels) batches of one epoch of a :class:`RingLoader`."""
 
-    def __init__(self, batches: Iterator, loader: RingLoader):
+    def __init__(self, batches: _BaseDataLoaderIter, loader: RingLoader):
         self.batches, self.loader = batches, loader
 
     def __iter__(self) -> _Batches:
@@ -203,7 +206,7 @@ class _Batches:
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         # A method, not a generator: its frame (and so the last batch) is gone
         # when it returns, and nothing but the caller holds the batch.
-        self.loader.collate_fn.give_back_unused()
+        cast(BatchRing, self.loader.collate_fn).give_back_unused()
         images, labels, slot = next(self.batches)
         if slot < 0:
             self.loader.new_segments += 1

@@ -283,6 +283,8 @@ class CheckedImageFolder(ImageFolder):
     tensors).
     """
 
+    samples: PackedSamples  # ImageFolder's list of them, packed by __init__
+
     def __init__(
         self,
         root: str,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -81,7 +82,9 @@ class DeviceGeometry:
         top, left, height, width = box
         params = {"top": top, "left": left, "height": height, "width": width}
         image = self.crop.transform(image, params)
-        return self.flip.transform(image, {}) if flip else image
+        if flip and self.flip is not None:
+            return self.flip.transform(image, {})
+        return image
 
 
 @dataclass
@@ -272,7 +275,7 @@ def decode_batch(
             images[place] = image
     if not images:
         return torch.empty((0, 3, *geometry.size), dtype=torch.uint8, device=device)
-    return torch.stack(images)
+    return torch.stack(cast(list[torch.Tensor], images))  # every place filled
 
 
 def _check_decoded_size(image: torch.Tensor, sample: EncodedSample) -> None:

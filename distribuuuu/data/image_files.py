@@ -18,6 +18,7 @@ import os
 import re
 import stat
 import warnings
+from typing import cast
 
 import numpy as np
 import torch
@@ -96,7 +97,7 @@ def _sixteen_to_eight_bits(pixels):
     return (pixels * 255 + 32767) // 65535
 
 
-def _decode_with_torchvision(data: bytes) -> torch.Tensor | None:
+def _decode_with_torchvision(data: bytes | bytearray) -> torch.Tensor | None:
     """The encoded image ``data`` as an RGB uint8 tensor; None if refused."""
     try:
         with warnings.catch_warnings():
@@ -214,7 +215,7 @@ def load_image(path: str) -> Image.Image:
     :func:`max_image_pixels` (checked from its header, before decoding).
     16-bit images are scaled to 8 bits.
     """
-    return _read_image(path, as_tensor=False)
+    return cast(Image.Image, _read_image(path, as_tensor=False))
 
 
 def decode_image_file(path: str) -> torch.Tensor:
@@ -228,4 +229,4 @@ def decode_image_file(path: str) -> torch.Tensor:
     PIL reads the header first in every case, so the pixel limit and the
     errors are those of :func:`load_image`; 16-bit PNGs are scaled to 8 bits.
     """
-    return _read_image(path, as_tensor=True)
+    return cast(torch.Tensor, _read_image(path, as_tensor=True))

@@ -25,6 +25,7 @@ import io
 import re
 import warnings
 from dataclasses import dataclass
+from typing import TypeGuard, cast
 
 import torch
 from PIL import Image
@@ -120,7 +121,8 @@ def _next_marker(data: bytes | bytearray, position: int) -> tuple[int | None, in
         if position == 0 or position >= len(data):
             return None, len(data)
         if data[position] == 0xFF:  # fill bytes: the last 0xFF counts
-            position = _FILL_BYTES.match(data, position).end()
+            # Matches: data[position] is 0xFF.
+            position = cast(re.Match, _FILL_BYTES.match(data, position)).end()
             if position >= len(data):
                 return None, len(data)
         if data[position] != 0x00:  # 0xFF 0x00 is stuffed data: go on
@@ -179,9 +181,10 @@ class JpegFile:
                     return decode_jpeg(encoded, mode=ImageReadMode.RGB)
             except (RuntimeError, ValueError):
                 pass  # damaged: PIL decides, as for the tensor decoder
-        return image_files.decode_image_bytes(
+        image = image_files.decode_image_bytes(
             bytes(self.data), self.name, as_tensor=True
         )
+        return cast(torch.Tensor, image)
 
     def window(self, top: int, left: int, height: int, width: int) -> torch.Tensor:
         """The ``height`` x ``width`` window at (``top``, ``left``), inside the
@@ -196,7 +199,7 @@ class JpegFile:
         return pack_channels(F.crop_image(self.decode(), top, left, height, width))
 
 
-def _plain(header: JpegHeader | None) -> bool:
+def _plain(header: JpegHeader | None) -> TypeGuard[JpegHeader]:
     """True for a plain 8-bit JPEG within the pixel limit (see
     :attr:`JpegHeader.plain_8bit`)."""
     if header is None or not header.plain_8bit:
@@ -253,7 +256,8 @@ def read_or_defer(path: str) -> JpegFile | torch.Tensor:
     data = image_files.read_image_bytes(path)
     image = jpeg_bytes(data, path)
     if image is None:
-        return image_files.decode_image_bytes(data, path, as_tensor=True)
+        decoded = image_files.decode_image_bytes(data, path, as_tensor=True)
+        return cast(torch.Tensor, decoded)
     return image
 
 

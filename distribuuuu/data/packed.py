@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from typing import overload
 
 import numpy as np
 import torch
@@ -41,7 +42,13 @@ class PackedSamples(Sequence):
     def __len__(self) -> int:
         return len(self.ends)
 
-    def __getitem__(self, index: int) -> tuple[str, int]:
+    @overload
+    def __getitem__(self, index: int) -> tuple[str, int]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[str, int]]: ...
+
+    def __getitem__(self, index: int | slice):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         index = range(len(self))[index]  # negative indices; IndexError past the end

@@ -57,7 +57,7 @@ def _reader(workers: int) -> int:
 
 def shuffled(items: Iterator, size: int, rng: random.Random) -> Iterator:
     """``items`` in an order shuffled within a buffer of ``size``; all of them."""
-    buffer = []
+    buffer: list = []
     for item in items:
         if len(buffer) < size:
             buffer.append(item)

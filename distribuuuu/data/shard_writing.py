@@ -197,7 +197,8 @@ def _shard_groups(
     limits: ShardLimits,
 ) -> Iterator[list[tuple[str, dict[str, bytes]]]]:
     """Numbered samples as tar members, grouped into shards within ``limits``."""
-    group, size = [], 0
+    group: list[tuple[str, dict[str, bytes]]] = []
+    size = 0
     for number, name, label, read in samples:
         data, suffix = read()
         if suffix not in IMAGE_SUFFIXES:

@@ -237,11 +237,13 @@ def read_shard(path: str, key: str, skip: int = 0) -> Iterator[RawSample]:
         from webdataset.tariterators import base_plus_ext
     except ImportError as error:
         raise DataError(NEEDS_WEBDATASET) from error
-    position, current, members = -1, None, {}
+    members: dict[str, bytes] = {}
+    position, current = -1, None
     try:
         with tarfile.open(path, "r:") as tar:
             while (info := tar.next()) is not None:
-                tar.members = []  # tarfile keeps every header otherwise
+                # tarfile keeps every header otherwise (typeshed omits members).
+                tar.members = []  # type: ignore[attr-defined]
                 prefix, suffix = base_plus_ext(info.name)
                 if not info.isreg() or prefix is None:
                     continue
@@ -257,7 +259,9 @@ def read_shard(path: str, key: str, skip: int = 0) -> Iterator[RawSample]:
                         f"{key}: shard {path}: sample {prefix} has more than the "
                         f"{MAX_SAMPLE_BYTES} bytes read for one sample"
                     )
-                members[suffix] = tar.extractfile(info).read()
+                member = tar.extractfile(info)
+                assert member is not None  # a regular file's
+                members[suffix] = member.read()
     except (tarfile.TarError, OSError) as error:
         raise DataError(f"{key}: shard {path} is damaged: {error}") from error
     if current is not None and position >= skip:

@@ -54,6 +54,9 @@ class ToNormalizedFloat(torch.nn.Module):
     channels-last model would otherwise copy it into.
     """
 
+    shift: torch.Tensor  # buffers (register_buffer)
+    scale: torch.Tensor
+
     def __init__(self, mean: tuple, std: tuple, channels_last: bool = False):
         super().__init__()
         self.mean, self.std = tuple(mean), tuple(std)
@@ -109,10 +112,10 @@ class ResizedCropFlip(torch.nn.Module):
             box = self.crop.make_params([image])
             window = pack_channels(F.crop_image(image, **box))
         mode, size = self.crop.interpolation, self.crop.size
-        image = F.resize_image(window, size, interpolation=mode, antialias=True)
+        resized = F.resize_image(window, size, interpolation=mode, antialias=True)
         if self.flip > 0 and torch.rand(1) < self.flip:
-            image = F.horizontal_flip_image(image)
-        return image
+            resized = F.horizontal_flip_image(resized)
+        return resized
 
 
 def _train_end(mean: tuple, augment: v2.Transform | None, erasing: float) -> list:

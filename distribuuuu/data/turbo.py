@@ -143,7 +143,7 @@ class WindowDecoder:
 
     def _refused(self) -> None:
         """Destroy this thread's decompressor after the library refused a file
-        (libjpeg-turbo 3.0's refuses every later file then: tested); None."""
+        (libjpeg-turbo 3.0's refuses every later file then: tested)."""
         self.lib.tj3Destroy(self._local.handle)
         self._local.handle = None
 
@@ -153,7 +153,8 @@ class WindowDecoder:
         lib, handle = self.lib, self._handle()
         source = ctypes.addressof(ctypes.c_char.from_buffer(data))  # no copy
         if lib.tj3DecompressHeader(handle, source, len(data)) != 0:
-            return self._refused()
+            self._refused()
+            return None
         return lib.tj3Get(handle, _PARAM_HEIGHT), lib.tj3Get(handle, _PARAM_WIDTH)
 
     def decode(
@@ -174,7 +175,8 @@ class WindowDecoder:
         lib, handle = self.lib, self._handle()
         source = ctypes.addressof(ctypes.c_char.from_buffer(data))  # no copy
         if lib.tj3DecompressHeader(handle, source, len(data)) != 0:
-            return self._refused()
+            self._refused()
+            return None
         subsampling = lib.tj3Get(handle, _PARAM_SUBSAMP)
         rows = lib.tj3Get(handle, _PARAM_HEIGHT)
         columns = lib.tj3Get(handle, _PARAM_WIDTH)
@@ -187,14 +189,16 @@ class WindowDecoder:
         x1 = min(columns, left + width + _MARGIN)
         y0, y1 = max(0, top - _MARGIN), min(rows, top + height + _MARGIN)
         if lib.tj3SetCroppingRegion(handle, _Region(x0, y0, x1 - x0, y1 - y0)) != 0:
-            return self._refused()
+            self._refused()
+            return None
         out = self._buffer((y1 - y0) * (x1 - x0) * 3).view(y1 - y0, x1 - x0, 3)
         pitch = 3 * (x1 - x0)
         status = lib.tj3Decompress8(
             handle, source, len(data), out.data_ptr(), pitch, _PIXEL_RGB
         )
         if status != 0:
-            return self._refused()
+            self._refused()
+            return None
         window = out[top - y0 : top - y0 + height, left - x0 : left - x0 + width]
         # Copied out of the reused buffer, always (contiguous() would return
         # the buffer itself for a window that fills it), packed for the resize
