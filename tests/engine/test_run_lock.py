@@ -106,6 +106,7 @@ def test_lock_is_free_once_its_holder_is_killed(holder):
 PROBE = """
 import sys
 from distribuuuu.engine import run_lock
+from distribuuuu.errors import OutDirInUseError
 try:
     run_lock.lock_out_dir(sys.argv[1])
     print("free")
