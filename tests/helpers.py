@@ -5,10 +5,12 @@ uses, and readers of what a run writes."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib
 import io
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -394,3 +396,114 @@ needs_deepspeed = pytest.mark.skipif(
     not _deepspeed_installed() and not os.environ.get("CI"),
     reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')",
 )
+
+
+# --- a run killed mid-way (SIGKILL to every process), then run again -------- #
+# One epoch of resnet8 on 2,560 synthetic images, a checkpoint every 10 steps:
+# 40 steps of global batch 64 (one process, or 2 ranks of one replica).
+KILLED_RUN = [
+    "MODEL.ARCH",
+    "resnet8",
+    "DATA.NAME",
+    "synthetic",
+    "DATA.SYNTHETIC_SIZE",
+    "[2560,200]",
+    "OPTIM.MAX_EPOCH",
+    "1",
+    "TRAIN.PRINT_FREQ",
+    "20",
+    "CHECKPOINT.PERIOD_ITERS",
+    "10",
+    "CHECKPOINT.KEEP",
+    "0",
+]
+
+
+def launch_command(nproc: int, args: list[str]) -> list[str]:
+    """``train_net.py ARGS`` on one process, or under torchrun on ``nproc``."""
+    if nproc == 1:
+        return [sys.executable, TRAIN_NET, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        TRAIN_NET,
+        *args,
+    ]
+
+
+def final_model(out_dir: str) -> dict:
+    """The model of the run's last checkpoint (its shards read whole)."""
+    from distribuuuu.checkpoint import load_full
+
+    name = read_text(out_dir, "checkpoints", "last").strip()
+    return load_full(os.path.join(out_dir, "checkpoints", name))["model"]
+
+
+def wait_for_file(pattern: str, proc, seconds: float = 240) -> None:
+    """Wait until a file matches the glob ``pattern`` (fail if ``proc`` ends
+    or ``seconds`` pass first)."""
+    deadline = time.time() + seconds
+    while not glob.glob(pattern) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert glob.glob(pattern), f"{pattern} never appeared"
+
+
+def kill_mid_run(
+    nproc: int, args: list[str], out: str, pattern: str, before: str, delay: float
+) -> None:
+    """Start the run, SIGKILL it (all processes) at a moment up to ``delay``
+    s after a checkpoint matching ``pattern`` appears (drawn from a generator
+    seeded by the arguments, so a failure repeats); check that checkpoint
+    ``before`` was not reached."""
+    proc = start(launch_command(nproc, args))
+    seed = f"{nproc} {pattern}"
+    pause = random.Random(seed).uniform(0.0, delay)
+    # Shown with a failure's output, so that the moment can be replayed.
+    print(f"SIGKILL {pause:.3f} s after {pattern} (random.Random({seed!r}))")
+    try:
+        wait_for_file(os.path.join(out, "checkpoints", pattern), proc)
+        time.sleep(pause)
+    finally:
+        kill_session(proc)
+    assert not os.path.exists(os.path.join(out, "checkpoints", before)), before
+
+
+def sigkill_then_rerun_matches_uninterrupted(
+    tmp_path, nproc: int, tear: bool, more: tuple[str, ...] = ()
+) -> None:
+    """Kill a run of :data:`KILLED_RUN` (every process) at a random moment
+    after its second checkpoint; with ``tear``, also cut its newest checkpoint
+    in half, as a crash while writing would without the atomic rename.  The
+    rerun resumes (from the checkpoint before the torn one) and ends bitwise
+    where an uninterrupted run ends.  ``more``: config overrides of all runs."""
+    reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
+    run = [*KILLED_RUN, *more]
+    launch = (lambda *a: torchrun(nproc, *a)) if nproc > 1 else train_net
+    assert_ok(launch(*run, "OUT_DIR", reference))
+    args = [*run, "OUT_DIR", killed]
+    pattern = "ckpt_ep_0000_it_002*.pth"
+    # 0.5 s at most: the rest of the epoch, 12 steps or more and the
+    # validation, takes longer.
+    kill_mid_run(nproc, args, killed, pattern, "ckpt_ep_0001.pth", 0.5)
+    if tear:
+        newest = max(glob.glob(os.path.join(killed, "checkpoints", "ckpt_*.pth")))
+        with open(newest, "r+b") as f:
+            f.truncate(os.path.getsize(newest) // 2)
+    rerun = launch(*args)
+    assert_ok(rerun)
+    assert "resumed from" in rerun.stdout
+    if tear:
+        assert f"skipping unreadable checkpoint {newest}" in rerun.stdout
+        resumed = rerun.stdout.split("resumed from ", 1)[1].split()[0]
+        assert os.path.basename(resumed) < os.path.basename(newest)
+    expected, actual = final_model(reference), final_model(killed)
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        assert torch.equal(expected[key], actual[key]), f"{key} is not bitwise equal"
+    assert (
+        read_metrics(killed, "val")[-1]["top1"]
+        == read_metrics(reference, "val")[-1]["top1"]
+    )
