@@ -6,7 +6,7 @@
 The page is a fixed introduction followed by the output of
 ``python tools/train_net.py --help-config``; the whole file is generated.  With
 ``--check`` nothing changes and the exit code is 1 when the page is missing or
-out of date (tests/test_config.py checks it).
+out of date (tests/config/test_config.py checks it).
 """
 
 from __future__ import annotations
