@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import traceback
 
 import pytest
 import torch
@@ -86,11 +87,38 @@ def _train_every_case(rank: int, world: int) -> dict:
     return {"/".join(map(str, key)): value for key, value in runs.items()}
 
 
+def _on_two_ranks(rank: int, world: int) -> dict:
+    """:func:`_train_every_case` and :func:`_shard_models_of_different_seeds`
+    in one process group; a part that raised keeps its traceback (its tests
+    fail with it, the other part's get their answers)."""
+    parts = {"train": _train_every_case, "shard": _shard_models_of_different_seeds}
+    results = {}
+    for name, part in parts.items():
+        try:
+            results[name] = part(rank, world)
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
+
+
 @pytest.fixture(scope="module")
-def trained_on_two_ranks(tmp_path_factory) -> dict:
-    """Rank 0's results of :func:`_train_every_case` on 2 gloo ranks."""
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's results of :func:`_on_two_ranks`: one launch of 2 gloo ranks."""
     out = tmp_path_factory.mktemp("strategies")
-    return run_on_ranks(2, _train_every_case, (), out)[0]
+    return run_on_ranks(2, _on_two_ranks, (), out)
+
+
+def _part(ranks: list[dict], name: str) -> list:
+    """Each rank's result of one part; a part that raised fails the test."""
+    for result in ranks:
+        assert not isinstance(result[name], str), result[name]
+    return [result[name] for result in ranks]
+
+
+@pytest.fixture(scope="module")
+def trained_on_two_ranks(two_ranks) -> dict:
+    """Rank 0's results of :func:`_train_every_case` on 2 gloo ranks."""
+    return _part(two_ranks, "train")[0]
 
 
 @pytest.mark.slow
@@ -127,8 +155,8 @@ def _shard_models_of_different_seeds(rank: int, world: int) -> dict:
 
 
 @pytest.mark.slow
-def test_fsdp_starts_from_rank_0s_model(tmp_path):
-    results = run_on_ranks(2, _shard_models_of_different_seeds, (), str(tmp_path))
+def test_fsdp_starts_from_rank_0s_model(two_ranks):
+    results = _part(two_ranks, "shard")
     first, sharded = results[0]["first"], results[0]["sharded"]
     assert sharded.keys() == first.keys()
     for key, value in first.items():
