@@ -1,0 +1,174 @@
+"""DIST.STRATEGY pipeline: real gloo pipelines train like one process (every
+schedule, two pipelines side by side, accumulation, clipping and the EMA) and
+their checkpoints go on on other layouts (the stages themselves:
+test_pipeline.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from helpers import assert_ok, read_metrics, read_text, torchrun, train_net
+
+from distribuuuu import checkpoint as cp
+
+# One epoch of LeNet-5 (no BatchNorm) on the embedded digits.
+LENET = ["MODEL.ARCH", "lenet5", "OPTIM.MAX_EPOCH", "1", "TRAIN.PRINT_FREQ", "20"]
+PIPELINE = ["DIST.STRATEGY", "pipeline"]
+# Runs compared weight by weight: at a gentle learning rate, one process on one
+# thread as each torchrun rank is. At LR 0.1 LeNet's first epoch is chaotic:
+# the float noise of summing micro-batches (or of 1 against 2 threads) grows
+# to 3e-3 in the weights on an AVX2 CPU (1e-5 on an AVX-512 one); at 0.02 two
+# stages end 1.5e-8 from one process.
+GENTLE = [*LENET, "OPTIM.BASE_LR", "0.02"]
+# A resumed run on another layout, after a second epoch: 5.4e-5 measured on an
+# AVX2 CPU (the micro-batches of 4 stages against one process); entries read
+# into the wrong layers would be off by 1e-1.
+ATOL_RESUMED = 2e-4
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def _final_weights(out_dir: str) -> dict:
+    name = read_text(out_dir, "checkpoints", "last").strip()
+    return cp.load_full(os.path.join(out_dir, "checkpoints", name))["model"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """LeNet-5 trained one epoch by one process, global batches 64 and 128."""
+    runs = {}
+    for batch in (64, 128):
+        out = str(tmp_path_factory.mktemp(f"one{batch}"))
+        args = [*GENTLE, "TRAIN.BATCH_SIZE", str(batch), "OUT_DIR", out]
+        assert_ok(train_net(*args, env=ONE_THREAD))
+        runs[batch] = out
+    return runs
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory):
+    """The OUT_DIR of GENTLE on 2 stages under a schedule (each run once; the
+    resume test goes on from a copy of the default schedule's, 1f1b)."""
+    runs: dict[str, str] = {}
+
+    def run(schedule: str) -> str:
+        if schedule not in runs:
+            out = str(tmp_path_factory.mktemp(schedule))
+            args = [*GENTLE, *PIPELINE, "DIST.PIPELINE.SCHEDULE", schedule]
+            assert_ok(torchrun(2, *args, "OUT_DIR", out))
+            runs[schedule] = out
+        return runs[schedule]
+
+    return run
+
+
+def _assert_same_run(out: str, reference: str, atol: float) -> None:
+    expected, actual = _final_weights(reference), _final_weights(out)
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=atol)
+    # The best weights, the stages gathered on rank 0: the whole model's.
+    best = cp.load_file(os.path.join(out, cp.BEST_WEIGHTS))["model"]
+    expected = cp.load_file(os.path.join(reference, cp.BEST_WEIGHTS))["model"]
+    assert list(best) == list(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(best[key], value, rtol=1e-5, atol=atol)
+    (val,) = read_metrics(out, "val")
+    assert val["samples"] == 1000  # every validation image counted once
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_two_stages_train_like_one_process(two_stages, one_process, schedule):
+    """Micro-batch losses summed in another order leave float32 noise only."""
+    _assert_same_run(two_stages(schedule), one_process[64], atol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_pipelines_of_two_stages_train_like_one_process(tmp_path, one_process):
+    """4 ranks: 2 stages x 2 data-parallel replicas of 64 images each."""
+    result = torchrun(4, *GENTLE, *PIPELINE, "OUT_DIR", str(tmp_path))
+    assert_ok(result)
+    assert "64 per replica x 1 accumulation step(s) x 2 replica(s)" in result.stdout
+    _assert_same_run(str(tmp_path), one_process[128], atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_on_other_layouts(tmp_path, two_stages):
+    """Two stages save their pieces; the run goes on on four stages (each rank
+    reads its own layers' entries) and on one process (read whole): alike."""
+    first = two_stages("1f1b")  # copied, not changed
+    gentle = GENTLE
+    on = {"four_stages": ["DIST.PIPELINE.STAGES", "4"], "one_process": []}
+    for name, layout in on.items():
+        out = str(tmp_path / name)
+        shutil.copytree(first, out)
+        args = [*gentle, "OPTIM.MAX_EPOCH", "2", *layout, "OUT_DIR", out]
+        if layout:
+            result = torchrun(4, *args, *PIPELINE)
+        else:
+            result = train_net(*args, env=ONE_THREAD)
+        assert_ok(result)
+        assert "resumed from" in result.stdout
+    expected = _final_weights(str(tmp_path / "one_process"))
+    actual = _final_weights(str(tmp_path / "four_stages"))
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=1e-4, atol=ATOL_RESUMED)
+    # And back: the one process's whole checkpoint (optimizer state by index)
+    # goes on on two stages, each taking its parameters' entries.
+    third = [*gentle, "OPTIM.MAX_EPOCH", "3"]
+    for name in ("one_more", "two_more"):
+        shutil.copytree(str(tmp_path / "one_process"), str(tmp_path / name))
+    assert_ok(train_net(*third, "OUT_DIR", str(tmp_path / "one_more"), env=ONE_THREAD))
+    two = torchrun(2, *third, *PIPELINE, "OUT_DIR", str(tmp_path / "two_more"))
+    assert_ok(two)
+    expected = _final_weights(str(tmp_path / "one_more"))
+    actual = _final_weights(str(tmp_path / "two_more"))
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=1e-4, atol=ATOL_RESUMED)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_accumulation_clipping_and_ema_under_a_pipeline(tmp_path):
+    """Gradient accumulation, clipping by the norm over both stages and the
+    EMA give the weights (and EMA) one process gets; bf16 and --eval-only run."""
+    more = [
+        *GENTLE,
+        "TRAIN.BATCH_SIZE",
+        "32",
+        "TRAIN.ACCUM_STEPS",
+        "2",
+        "OPTIM.CLIP_GRAD_NORM",
+        "0.5",
+        "MODEL.EMA",
+        "True",
+    ]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    assert_ok(train_net(*more, "OUT_DIR", one, env=ONE_THREAD))
+    assert_ok(torchrun(2, *more, *PIPELINE, "OUT_DIR", two))
+    _assert_same_run(two, one, atol=1e-5)
+    name = read_text(one, "checkpoints", "last").strip()
+    expected = cp.load_full(os.path.join(one, "checkpoints", name))["ema"]
+    actual = cp.load_full(os.path.join(two, "checkpoints", name))["ema"]
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-5)
+    bf16 = ["TRAIN.MIXED_PRECISION", "bf16", "OUT_DIR", str(tmp_path / "bf16")]
+    assert_ok(torchrun(2, "--dry-run", *more, *PIPELINE, *bf16))
+    weights = os.path.join(two, cp.BEST_WEIGHTS)
+    evaluated = torchrun(2, "--eval-only", *LENET, *PIPELINE, "MODEL.WEIGHTS", weights,
+                         "OUT_DIR", str(tmp_path / "eval"))  # fmt: skip
+    assert_ok(evaluated)
+    assert "samples 1000" in evaluated.stdout
+    # Whole weights (one process's best.pth) checked against the whole model,
+    # each stage loading its layers.
+    start = ["MODEL.WEIGHTS", os.path.join(one, cp.BEST_WEIGHTS)]
+    out = ["OUT_DIR", str(tmp_path / "from_weights")]
+    loaded = torchrun(2, "--dry-run", *LENET, *PIPELINE, *start, *out)
+    assert_ok(loaded)
+    assert "loaded weights from" in loaded.stdout
