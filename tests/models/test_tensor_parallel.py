@@ -35,8 +35,11 @@ from distribuuuu.models.vit import split_torchvision_attention
 from distribuuuu.strategies.base import average_gradients, clip_gradients
 
 VIT = ["--cfg", "config/digits_vit_tiny.yaml", "OPTIM.MAX_EPOCH", "1"]
-# One epoch of 16 steps of 64 (a quarter of the digits' time), 1000 val images.
+# One epoch of 16 steps of 64 (a quarter of the digits' time), 1000 val images,
+# at 16 px: 16 patches, where a step took a third of the CPU time of one at the
+# digits' 28 px (49 patches; 0.39 s against 1.0-1.4 s on one thread).
 SHORT = [*VIT, "DATA.NAME", "synthetic", "DATA.SYNTHETIC_SIZE", "[1024,1000]"]
+SHORT += ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]
 
 
 def _small_torchvision_vit() -> torch.nn.Module:
@@ -151,13 +154,16 @@ def _assert_equal_step(results: list[dict], dp: int) -> None:
                 torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-5)
 
 
+ARCHS = ["vit_tiny_patch4", ""]  # "": torchvision's ViT
+SEQUENCE_PARALLEL = [False, True]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["vit_tiny_patch4", ""])  # "": torchvision's ViT
-@pytest.mark.parametrize("sp", [False, True], ids=["", "sequence-parallel"])
-def test_two_tensor_parallel_ranks_compute_one_process_step(tmp_path, arch, sp):
-    results = run_on_ranks(2, _one_step, (arch, 1, sp), str(tmp_path))
-    _assert_equal_step(results, 1)
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("sp", SEQUENCE_PARALLEL, ids=["", "sequence-parallel"])
+def test_two_tensor_parallel_ranks_compute_one_process_step(two_ranks, arch, sp):
+    _assert_equal_step(_part(two_ranks, f"one step {arch}/{sp}"), 1)
 
 
 @pytest.mark.distributed
@@ -180,13 +186,20 @@ def _val_loss(out: str) -> float:
     return val["loss"]
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> str:
+    """OUT_DIR of an epoch of SHORT on one process, the tests' reference."""
+    one = str(tmp_path_factory.mktemp("one"))
+    assert_ok(train_net(*SHORT, "OUT_DIR", one))
+    return one
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_an_epoch_under_tensor_parallel_ends_like_one_process(tmp_path):
+def test_an_epoch_under_tensor_parallel_ends_like_one_process(tmp_path, one_process):
     """vit_tiny_patch4, one epoch: TP 2 on 2 ranks against one process; the
     tensor-parallel ranks hold at most 0.6 of its parameters each."""
-    one, tp = str(tmp_path / "one"), str(tmp_path / "tp")
-    assert_ok(train_net(*SHORT, "OUT_DIR", one))
+    one, tp = one_process, str(tmp_path / "tp")
     result = torchrun(2, *SHORT, "DIST.TENSOR_PARALLEL", "2", "OUT_DIR", tp)
     assert_ok(result)
     assert _val_loss(tp) == pytest.approx(_val_loss(one), rel=1e-4)
@@ -202,11 +215,12 @@ def read_log(out: str) -> str:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_an_epoch_of_fsdp_times_tensor_parallel_ends_like_one_process(tmp_path):
+def test_an_epoch_of_fsdp_times_tensor_parallel_ends_like_one_process(
+    tmp_path, one_process
+):
     """2 replicas (fsdp) x TP 2 on 4 ranks, 32 images per replica, against
     one process with batches of 64."""
-    one, both = str(tmp_path / "one"), str(tmp_path / "both")
-    assert_ok(train_net(*SHORT, "OUT_DIR", one))
+    one, both = one_process, str(tmp_path / "both")
     layout = ["DIST.TENSOR_PARALLEL", "2", "DIST.STRATEGY", "fsdp"]
     batch = ["TRAIN.BATCH_SIZE", "32"]
     assert_ok(torchrun(4, *SHORT, *batch, *layout, "OUT_DIR", both))
@@ -304,10 +318,18 @@ def _draws_after_sharing(rank: int, world: int) -> dict:
     return draws
 
 
-def _torchvision_vit_on_two_ranks(rank: int, world: int, out_dir: str) -> dict:
+def _on_two_ranks(rank: int, world: int, out_dir: str) -> dict:
     """Each part's result, or the traceback it raised (so that one failing
-    part leaves the others' tests their answers)."""
+    part leaves the others' tests their answers): one step of each (arch,
+    sequence parallel) pair of the test above, then the torchvision ViT's."""
     parts = {
+        f"one step {arch}/{sp}": lambda arch=arch, sp=sp: _one_step(
+            rank, world, arch, 1, sp
+        )
+        for arch in ARCHS
+        for sp in SEQUENCE_PARALLEL
+    }
+    parts |= {
         "round trip": lambda: _whole_state_round_trip(rank, out_dir),
         "drop path": lambda: _drop_path_steps(rank, False),
         "drop path, sequence parallel": lambda: _drop_path_steps(rank, True),
@@ -323,10 +345,11 @@ def _torchvision_vit_on_two_ranks(rank: int, world: int, out_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def torchvision_vit_ranks(tmp_path_factory) -> list[dict]:
-    """One launch of 2 gloo ranks for the torchvision ViT tests below."""
-    out = str(tmp_path_factory.mktemp("torchvision_vit"))
-    return run_on_ranks(2, _torchvision_vit_on_two_ranks, (out,), out)
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """One launch of 2 gloo ranks for the one-step tests above and the
+    torchvision ViT tests below."""
+    out = str(tmp_path_factory.mktemp("two_ranks"))
+    return run_on_ranks(2, _on_two_ranks, (out,), out)
 
 
 def _part(ranks: list[dict], name: str) -> list:
@@ -339,9 +362,9 @@ def _part(ranks: list[dict], name: str) -> list:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_tensor_parallel_torchvision_vit_saves_torchvision_keys(
-    torchvision_vit_ranks,
+    two_ranks,
 ):
-    result = _part(torchvision_vit_ranks, "round trip")[0]
+    result = _part(two_ranks, "round trip")[0]
     plain = result["plain"]
     for whole in (result["whole"], result["read"]["model"]):
         assert whole.keys() == plain.keys()
@@ -356,10 +379,8 @@ def test_a_tensor_parallel_torchvision_vit_saves_torchvision_keys(
     ["drop path", "drop path, sequence parallel"],
     ids=["", "sequence-parallel"],
 )
-def test_replicated_vit_weights_stay_equal_under_tp_2_with_drop_path(
-    torchvision_vit_ranks, part
-):
-    first, second = _part(torchvision_vit_ranks, part)
+def test_replicated_vit_weights_stay_equal_under_tp_2_with_drop_path(two_ranks, part):
+    first, second = _part(two_ranks, part)
     assert first["masked"] and second["masked"]  # the drop path drew masks
     assert first["weights"].keys() == second["weights"].keys()
     assert "heads.head.weight" in first["weights"]
@@ -369,7 +390,7 @@ def test_replicated_vit_weights_stay_equal_under_tp_2_with_drop_path(
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_tensor_parallel_ranks_draw_alike_and_replicas_apart(torchvision_vit_ranks):
-    first, second = _part(torchvision_vit_ranks, "draws")
+def test_tensor_parallel_ranks_draw_alike_and_replicas_apart(two_ranks):
+    first, second = _part(two_ranks, "draws")
     assert torch.equal(first["tp 2"], second["tp 2"])
     assert not torch.equal(first["tp 1"], second["tp 1"])
