@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from distribuuuu import checkpoint as cp
@@ -266,8 +267,15 @@ class Strategy:
 
     def spread(self, model: nn.Module) -> bool:
         """Whether ``model``'s weights are DTensors spread over the ranks (its
-        state then goes through DCP and torch's distributed state_dict API)."""
-        return any(isinstance(param, DTensor) for param in model.parameters())
+        state then goes through DCP and torch's distributed state_dict API).
+
+        Asked of the modules too: after a forward pass FSDP2 keeps the root's
+        parameters gathered as plain tensors, yet its state_dict still holds
+        shards (torch 2.15).
+        """
+        return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+            isinstance(param, DTensor) for param in model.parameters()
+        )
 
     def forward_is_collective(self, model: nn.Module) -> bool:
         """Whether every rank must run each forward pass (spread weights)."""
