@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import os
@@ -107,11 +108,17 @@ def mnist5k_path() -> str:
     return path
 
 
-def load_mnist5k(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The train or val split of the embedded digits: uint8 images, labels."""
+@functools.cache
+def _mnist5k_rows() -> tuple[np.ndarray, np.ndarray]:
+    # Parsed once per process (about a second): both splits come from it.
     rows = np.loadtxt(mnist5k_path(), delimiter=",", dtype=np.float32)
     images = rows[:, :-1].astype(np.uint8).reshape(-1, 1, 28, 28)
-    labels = rows[:, -1].astype(np.int64)
+    return images, rows[:, -1].astype(np.int64)
+
+
+def load_mnist5k(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The train or val split of the embedded digits: uint8 images, labels."""
+    images, labels = _mnist5k_rows()
     position = np.zeros(len(labels), dtype=np.int64)
     for label in np.unique(labels):
         members = np.flatnonzero(labels == label)
