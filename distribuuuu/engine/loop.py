@@ -86,7 +86,6 @@ def train_epoch(
             progress.consumed += plan.global_batch
             state.clock.step()
             if (step + 1) % spec.print_freq == 0 or step + 1 == total:
-                window_steps = (step - first) % spec.print_freq + 1
                 stats = log_train_window(
                     spec.log,
                     state,
@@ -95,7 +94,8 @@ def train_epoch(
                     steps=total,
                     lr=lr,
                     elapsed=time.perf_counter() - window_start,
-                    data_time=data_time / window_steps,
+                    data_time=data_time,
+                    window_steps=(step - first) % spec.print_freq + 1,
                 )
                 meter.reset()
                 data_time, window_start = 0.0, time.perf_counter()

@@ -18,6 +18,7 @@ from distribuuuu.dist import group as du
 from distribuuuu.engine.numerics import all_finite, module_tensors, nonfinite_loss
 from distribuuuu.engine.state import TrainState
 from distribuuuu.logger import STATUS_LINE, set_status
+from distribuuuu.plan.flops import FLOP_KEYS, format_rate
 from distribuuuu.reporting import reports
 from distribuuuu.reporting.meters import (
     MetricSums,
@@ -82,6 +83,7 @@ def log_train_window(
     lr: float,
     elapsed: float,
     data_time: float,
+    window_steps: int,
 ) -> dict:
     """Reduce a print window's metrics over all ranks, log them (rank 0 writes)
     and return them; stop a run whose loss is no longer finite.
@@ -90,16 +92,19 @@ def log_train_window(
         step: the window's last optimizer step (0-based) of the epoch's ``steps``.
         lr: the learning rate of that step.
         elapsed: the window's seconds.
-        data_time: its mean seconds per step spent waiting for the loader.
+        data_time: its seconds spent waiting for the loader.
+        window_steps: its optimizer steps.
     """
     epoch = state.progress.epoch
+    data_time /= window_steps  # per step
     stats = meter.reduce()
     speed = throughput(spec, state.plan.world_size, stats["samples"], elapsed)
+    speed.update(window_flops(state, window_steps, elapsed))
     step_time = elapsed * state.plan.global_batch / max(stats["samples"], 1)
     watch_data_time(spec, state, data_time, step_time)
     logger.info(
         "train ep %d/%d it %d/%d  loss %.4f  top1 %.2f  top%d %.2f  lr %.5f  "
-        "img/s %.0f%s  data %.1fms  eta %s",
+        "img/s %.0f%s%s  data %.1fms  eta %s",
         epoch + 1,
         spec.max_epoch,
         step + 1,
@@ -111,24 +116,40 @@ def log_train_window(
         lr,
         speed["img_per_s"],
         format_scaling(speed),
+        format_rate(speed),
         1000 * data_time,
         format_eta(state.clock.eta()),
         extra={STATUS_LINE: True},
     )
     record = {"split": "train", "epoch": epoch + 1, "iter": step + 1, "lr": lr}
     record.update(speed, data_ms=1000 * data_time, **stats)
-    scalars = {
+    scalars = train_scalars(stats, speed, lr, data_ms=1000 * data_time)
+    state.writer.write(record, scalars, epoch * steps + step + 1)
+    if not math.isfinite(stats["loss"]):
+        stop_on_nonfinite_loss(state, stats, step)
+    return stats
+
+
+def train_scalars(stats: dict, speed: dict, lr: float, data_ms: float) -> dict:
+    """The tensorboard scalars of a training window: its metrics, learning
+    rate, throughput (TFLOP/s and MFU where known) and data wait."""
+    return {
         "train/loss": stats["loss"],
         "train/top1": stats["top1"],
         "train/lr": lr,
         "train/img_per_s": speed["img_per_s"],
         "train/img_per_s_per_rank": speed["img_per_s_per_rank"],
-        "train/data_ms": 1000 * data_time,
+        "train/data_ms": data_ms,
+        **{f"train/{key}": speed[key] for key in FLOP_KEYS if key in speed},
     }
-    state.writer.write(record, scalars, epoch * steps + step + 1)
-    if not math.isfinite(stats["loss"]):
-        stop_on_nonfinite_loss(state, stats, step)
-    return stats
+
+
+def window_flops(state: TrainState, window_steps: int, elapsed: float) -> dict:
+    """The TFLOP/s per device of a window of ``window_steps`` optimizer steps,
+    and its MFU where the device's peak is known ({} without a FLOP count)."""
+    if state.flops is None:
+        return {}
+    return state.flops.of_window(window_steps * state.plan.global_batch, elapsed)
 
 
 def stop_on_nonfinite_loss(state: TrainState, stats: dict, step: int) -> None:

@@ -20,6 +20,7 @@ from distribuuuu.reporting.meters import DataBoundWatch
 
 if TYPE_CHECKING:  # imported for the annotations only
     from distribuuuu.models.ema import ModelEma
+    from distribuuuu.plan.flops import FlopMeter
     from distribuuuu.reporting.writer import MetricsWriter
     from distribuuuu.strategies import Strategy
 
@@ -165,6 +166,7 @@ class TrainState:
     ema: ModelEma | None = None  # moving average of the weights (MODEL.EMA)
     teacher: nn.Module | None = None  # TRAIN.DISTILL's, in eval mode; never saved
     data_watch: DataBoundWatch = field(default_factory=DataBoundWatch)
+    flops: FlopMeter | None = None  # the TFLOP/s and MFU of its windows; None: off
 
     def state_dict(
         self, weights: dict, rng: list, *, arch: str, config_dump: str

@@ -42,6 +42,7 @@ from distribuuuu.engine.session import resolve_seed, run_context, seed_everythin
 from distribuuuu.engine.state import BatchPlan, RunClock, TrainState, plan_batches
 from distribuuuu.models import build_configured, build_model, zero_init_residual
 from distribuuuu.models.ema import ModelEma
+from distribuuuu.plan.flops import FlopMeter
 from distribuuuu.reporting import reports
 from distribuuuu.reporting.meters import PeakMemory
 from distribuuuu.reporting.remote_trackers import build_trackers
@@ -111,7 +112,9 @@ def dry_run(cfg: CfgNode) -> dict:
         train_loader = watchdog.watch(train_loader, "train")
         val_loader = watchdog.watch(val_loader, "eval")
         built = time.perf_counter()
-        # The single step is logged; nothing is written (no profile).
+        # The single step is logged (without the TFLOP/s, whose FLOP count
+        # would add to its time); nothing is written (no profile).
+        state.flops = None
         one_step = dataclasses.replace(specs.loop_spec(cfg), print_freq=1, profile=None)
         train_epoch(state, train_loader, one_step, after_step=lambda: True)
         stepped = time.perf_counter()
@@ -203,6 +206,9 @@ def build_train_state(
         classes=list(train_set.classes),
         ema=ema,
         teacher=build_teacher(cfg, device),
+        flops=FlopMeter(
+            specs.model_spec(cfg), cfg.TRAIN.IM_SIZE, strategy.devices(model), amp_dtype
+        ),
     )
     sizes = {"train_images": len(train_set), "val_images": len(val_set)}
     report_start(cfg, info, state, size=size, sizes=sizes, start=start)

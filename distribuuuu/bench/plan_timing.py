@@ -1,0 +1,194 @@
+"""Step time predicted by the planner's cost model against step time
+measured, on real gloo ranks (for ``tools/benchmark.py --only plan``).
+
+Every rank builds one copy of the model per way of training it (no
+gradient sync, ddp, zero1, fsdp), then times their optimizer steps
+interleaved, round after round, so that the machine's drift touches each
+alike; a round's step takes the time of its slowest rank, and each way's
+figure is the median over the rounds.  Before that, the ranks calibrate
+(:func:`distribuuuu.plan.calibrate.calibrate`, as ``DIST.STRATEGY auto``
+does) and predict each way's step (:func:`distribuuuu.plan.cost.step_cost`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from distribuuuu.dist.spawn import find_free_port
+from distribuuuu.models import build_model
+from distribuuuu.plan.calibrate import calibrate
+from distribuuuu.plan.cost import Cluster, Workload, step_cost
+from distribuuuu.plan.flops import count_flops
+from distribuuuu.strategies.fsdp import shard_fully
+
+WAYS = ("none", "ddp", "zero1", "fsdp")
+
+
+@dataclass(frozen=True)
+class TimedPlan:
+    """A candidate as the cost model reads it (one data-parallel strategy)."""
+
+    strategy: str
+    data_parallel: int
+    micro_batch: int
+    tensor_parallel: int | None = None
+    pipeline_stages: int | None = None
+    pipeline_schedule: str | None = None
+    shard_size: int | None = None
+    zero_stage: int | None = None
+    offload: object = None
+    accum_steps: int = 1
+    act_ckpt: bool = False
+
+
+def _trainers(model: nn.Module, world: int) -> dict:
+    """(model, optimizer) of each way of training a copy of ``model``."""
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+    plain = copy.deepcopy(model)
+    ddp = DistributedDataParallel(copy.deepcopy(model))
+    zero = DistributedDataParallel(copy.deepcopy(model))
+    sharded = shard_fully(copy.deepcopy(model), torch.device("cpu"), False, None)
+    zero_optimizer = ZeroRedundancyOptimizer(
+        zero.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3
+    )
+    return {
+        "none": (plain, adamw(plain.parameters())),
+        "ddp": (ddp, adamw(ddp.parameters())),
+        "zero1": (zero, zero_optimizer),
+        "fsdp": (sharded, adamw(sharded.parameters())),
+    }
+
+
+def _step(model: nn.Module, optimizer, images, targets) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(model(images), targets).backward()
+    optimizer.step()
+
+
+def _predict(model: nn.Module, settings: dict, world: int) -> tuple[dict, dict]:
+    """Calibrate on the live group and predict each way's step (seconds)."""
+    arch, size = settings["arch"], settings["image_size"]
+    tic = time.perf_counter()
+    flops = count_flops(functools.partial(build_model, arch, 10), size)
+    counted = time.perf_counter()
+    measured = calibrate(
+        model, flops, image_size=size, device=torch.device("cpu"), procs_per_node=world
+    )
+    done = time.perf_counter()
+    cluster = Cluster(1, world, measured.intra, measured.inter, measured.flops_per_s)
+    work, batch = Workload(flops), settings["batch"]
+    plans = {
+        "none": TimedPlan("ddp", 1, batch),
+        "ddp": TimedPlan("ddp", world, batch),
+        "zero1": TimedPlan("zero1", world, batch),
+        "fsdp": TimedPlan("fsdp", world, batch),
+    }
+    predicted = {
+        way: step_cost(plan, work, cluster).step_s for way, plan in plans.items()
+    }
+    calibration = {
+        "count_s": counted - tic,
+        "calibrate_s": done - counted,
+        "alpha_ms": 1e3 * measured.intra.latency_s,
+        "beta_mb_s": measured.intra.bytes_per_s / 1e6,
+        "gflop_per_s": measured.flops_per_s / 1e9,
+        "gflop_per_image": flops.per_image / 1e9,
+    }
+    return predicted, calibration
+
+
+def _rank_main(rank: int, world: int, port: int, settings: dict, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = build_model(settings["arch"], 10)
+        predicted, calibration = _predict(model, settings, world)
+        trainers = _trainers(model, world)
+        batch, size = settings["batch"], settings["image_size"]
+        images = torch.randn(batch, 3, size, size)
+        targets = torch.randint(0, 10, (batch,))
+        rounds: list[dict] = []
+        for _ in range(settings["warmup"] + settings["rounds"]):
+            seconds = {}
+            for way, (trained, optimizer) in trainers.items():
+                dist.barrier()
+                tic = time.perf_counter()
+                _step(trained, optimizer, images, targets)
+                seconds[way] = time.perf_counter() - tic
+            rounds.append(seconds)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (rounds, predicted, calibration))
+        if rank == 0:
+            torch.save(gathered, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_plan_timing(
+    arch: str = "vit_tiny_patch4",
+    image_size: int = 32,
+    batch: int = 32,
+    ranks: int = 2,
+    rounds: int = 9,
+    warmup: int = 2,
+) -> dict:
+    """Per way (none, ddp, zero1, fsdp): the measured median step (ms, the
+    slowest rank's each round) and the predicted one; and the calibration
+    (rank 0's figures, the count's and calibration's seconds)."""
+    settings = {"arch": arch, "image_size": image_size, "batch": batch}
+    settings.update(rounds=rounds, warmup=warmup)
+    with tempfile.TemporaryDirectory(prefix="distribuuuu-plan-") as work:
+        out = os.path.join(work, "timing.pt")
+        mp.start_processes(
+            _rank_main,
+            args=(ranks, find_free_port(), settings, out),
+            nprocs=ranks,
+            start_method="spawn",
+        )
+        per_rank = torch.load(out, weights_only=False)
+    rows = {}
+    for way in WAYS:
+        slowest = [
+            max(rank[0][r][way] for rank in per_rank)
+            for r in range(warmup, warmup + rounds)
+        ]
+        measured = 1e3 * statistics.median(slowest)
+        predicted = 1e3 * per_rank[0][1][way]
+        rows[way] = {
+            "measured_ms": measured,
+            "predicted_ms": predicted,
+            "error": predicted / measured - 1,
+        }
+    return {"ways": rows, "calibration": per_rank[0][2]}
+
+
+def format_plan_timing(result: dict) -> str:
+    """The result of :func:`measure_plan_timing` as a table."""
+    lines = ["way     measured ms  predicted ms  error"]
+    for way, row in result["ways"].items():
+        lines.append(
+            f"{way:<7} {row['measured_ms']:>11.1f} {row['predicted_ms']:>13.1f} "
+            f"{row['error']:>+6.1%}"
+        )
+    cal = result["calibration"]
+    lines.append(
+        f"alpha {cal['alpha_ms']:.2f} ms, beta {cal['beta_mb_s']:.0f} MB/s, "
+        f"{cal['gflop_per_s']:.1f} GFLOP/s, {cal['gflop_per_image']:.3f} GFLOP/image "
+        f"(counted in {cal['count_s']:.2f} s, calibrated in {cal['calibrate_s']:.2f} s)"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The planner behind ``DIST.STRATEGY auto`` and ``tools/plan.py``."""

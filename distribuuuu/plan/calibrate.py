@@ -1,0 +1,268 @@
+"""What the cost model needs to know of the machine: the links' alpha and
+beta, and the device's achieved FLOP/s on the model.
+
+Measured (:func:`calibrate`, about a second in all): a few all-reduces of
+one element and of a few MiB on the live process group give alpha (the
+latency of a collective) and beta (the bus bandwidth, nccl-tests' busbw:
+``2(n-1)/n x bytes / (t - alpha)``); one forward and backward pass of the
+model at a small batch, over its counted FLOPs, gives the achieved FLOP/s;
+on the CPU, which has no datasheet, a square matrix product gives the peak.
+Every rank measures and the ranks keep the slowest figures, so that all of
+them plan alike.
+
+On paper (:func:`paper_calibration`): the figures come from flags
+(``--intra-gbps``, ``--inter-gbps``, ``--latency-us``) and the device's
+datasheet (:mod:`distribuuuu.plan.devices`), with an assumed efficiency.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distribuuuu.plan.cost import Link
+from distribuuuu.plan.devices import dense_peak_flops, find_device
+from distribuuuu.plan.flops import ModelFlops
+
+# The share of the dense peak a model reaches, where it cannot be measured
+# (on paper): an assumption.  Megatron-LM's largest GPT runs reached 52% of
+# the A100's peak (Narayanan et al. 2021, sec. 1), the best case of large
+# matrix products; image models at moderate sizes reach less.
+PAPER_EFFICIENCY = 0.4
+# Intra-node bandwidth on paper when no flag gives it: the datasheet's
+# bidirectional NVLink or PCIe figure, halved to one direction.
+LINK_DIRECTIONS = 2
+# On paper, without --latency-us: a collective's latency.  GPUs: NCCL's small
+# all-reduces take some tens of microseconds.  CPUs: gloo's took 1.5-2 ms
+# between 2 local ranks on our 2-core test machine (issue 35).
+PAPER_LATENCY_US = {"cuda": 20.0, "cpu": 1500.0}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The machine's figures, as :class:`distribuuuu.plan.cost.Cluster` takes them."""
+
+    intra: Link
+    inter: Link
+    peak_flops: float  # dense peak of one device (datasheet, or measured on CPU)
+    efficiency: float  # the share of it the model reaches
+    source: str  # "measured" or "paper"
+
+    @property
+    def flops_per_s(self) -> float:
+        """The FLOP/s one device achieves on the model."""
+        return self.peak_flops * self.efficiency
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_s(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``run()`` after one warm-up call."""
+    run()
+    _synchronize(device)
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        run()
+        _synchronize(device)
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times)
+
+
+def slowest(values: list[float], device: torch.device, group=None) -> list[float]:
+    """Each of ``values`` at its largest over the ranks of ``group`` (as it
+    is without a process group): the ranks plan from the same figures."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()
+
+
+def measure_link(
+    device: torch.device,
+    group=None,
+    large_bytes: int = 4 * 2**20,
+    repeats: int = 5,
+) -> Link | None:
+    """Alpha and beta of the all-reduces of ``group`` (the world by
+    default), or None without a process group of more than one rank.  A
+    collective: every rank of the group calls it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    size = dist.get_world_size(group)
+    if size <= 1:
+        return None
+    small = torch.zeros(1, device=device)
+    large = torch.zeros(large_bytes // 4, device=device)
+    dist.barrier(group=group)
+    alpha = _median_s(lambda: dist.all_reduce(small, group=group), device, repeats)
+    whole = _median_s(lambda: dist.all_reduce(large, group=group), device, repeats)
+    alpha, whole = slowest([alpha, whole], device, group)
+    moved = 2 * (size - 1) / size * large_bytes
+    return Link(alpha, moved / max(whole - alpha, 1e-9))
+
+
+def measure_peak_flops(
+    device: torch.device, size: int = 1024, repeats: int = 3
+) -> float:
+    """FLOP/s of a ``size`` x ``size`` float32 matrix product on ``device``
+    with this process's threads: the CPU's peak, which no datasheet gives."""
+    a = torch.full((size, size), 0.5, device=device)
+    b = torch.full((size, size), 0.25, device=device)
+    seconds = _median_s(lambda: a @ b, device, repeats)
+    return 2 * size**3 / seconds
+
+
+@contextlib.contextmanager
+def _left_as_it_was(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Run a pass on ``model`` and leave no trace: its buffers (BatchNorm's
+    running statistics), gradients and the RNG as they were."""
+    buffers = [b.detach().clone() for b in model.buffers()]
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in zip(model.buffers(), buffers):
+                buffer.copy_(saved)
+        for param in model.parameters():
+            param.grad = None
+
+
+def measure_model_flops(
+    model: nn.Module,
+    flops_per_image: float,
+    *,
+    image_size: int,
+    device: torch.device,
+    batch: int = 4,
+    amp_dtype: torch.dtype | None = None,
+) -> float:
+    """The FLOP/s ``model`` (plain, on ``device``) achieves in a forward and
+    backward pass of ``batch`` random images, whose FLOPs are
+    ``flops_per_image`` each; the model is left as it was."""
+    with _left_as_it_was(model, device):
+        images = torch.randn(batch, 3, image_size, image_size, device=device)
+
+        def train_pass() -> None:
+            with torch.autocast(device.type, amp_dtype, enabled=amp_dtype is not None):
+                loss = model(images).float().sum()
+            loss.backward()
+
+        was_training = model.training
+        model.train()
+        try:
+            seconds = _median_s(train_pass, device, repeats=2)
+        finally:
+            model.train(was_training)
+    return flops_per_image * batch / seconds
+
+
+def device_peak_flops(
+    device: torch.device, amp_dtype: torch.dtype | None, conv_share: float
+) -> float:
+    """The dense peak of ``device``: its datasheet's, or a float32 matrix
+    product's measured FLOP/s on a CPU or a GPU the table lacks."""
+    if device.type == "cuda":
+        sheet = find_device(torch.cuda.get_device_name(device))
+        if sheet is not None:
+            return dense_peak_flops(sheet, amp_dtype, conv_share)
+    return measure_peak_flops(device)
+
+
+def calibrate(
+    model: nn.Module,
+    flops: ModelFlops,
+    *,
+    image_size: int,
+    device: torch.device,
+    procs_per_node: int,
+    amp_dtype: torch.dtype | None = None,
+) -> Calibration:
+    """Measure the live machine (a collective: every rank calls it).
+
+    ``model``: the plain model on ``device``, left as it was; ``flops``: its
+    count.  The world's all-reduces give the link between nodes (a ring
+    crosses each node's link once) and, on one node, the link within it;
+    across nodes the nodes' own groups give the link within a node.
+    """
+    peak = device_peak_flops(device, amp_dtype, flops.conv_share)
+    achieved = measure_model_flops(
+        model,
+        flops.per_image,
+        image_size=image_size,
+        device=device,
+        amp_dtype=amp_dtype,
+    )
+    (seconds_per_flop,) = slowest([1 / achieved], device)
+    world = measure_link(device)
+    if world is None:  # one process: no link is used
+        world = Link(0.0, float("inf"))
+    intra = world
+    size = dist.get_world_size() if dist.is_initialized() else 1
+    if 1 < procs_per_node < size:
+        node_group, groups = dist.new_subgroups(group_size=procs_per_node)
+        intra = measure_link(device, node_group) or world
+        for group in groups:
+            dist.destroy_process_group(group)
+    efficiency = 1 / seconds_per_flop / peak
+    return Calibration(intra, world, peak, efficiency, "measured")
+
+
+def _paper_link(gbit_per_s: float | None, latency_us: float, flag: str) -> Link:
+    if gbit_per_s is None:
+        raise ValueError(f"{flag}: the planner needs this link's speed on paper")
+    return Link.of(gbit_per_s, latency_us)
+
+
+def paper_calibration(
+    device: str,
+    *,
+    nodes: int,
+    procs_per_node: int,
+    intra_gbps: float | None = None,
+    inter_gbps: float | None = None,
+    latency_us: float | None = None,
+    amp_dtype: torch.dtype | None = None,
+    conv_share: float = 0.0,
+) -> Calibration:
+    """The figures of a machine on paper (``tools/plan.py``).
+
+    ``device``: "cpu" (this machine's CPU is measured for its peak) or a
+    name :func:`~distribuuuu.plan.devices.find_device` knows.  A link the
+    plan uses needs its flag, except the link within a node of a known GPU:
+    its datasheet's NVLink or PCIe figure, one direction.  Raises ValueError
+    naming the missing flag or the unknown device.
+    """
+    kind = "cpu" if device.strip().lower() == "cpu" else "cuda"
+    latency = PAPER_LATENCY_US[kind] if latency_us is None else latency_us
+    if kind == "cpu":
+        peak = measure_peak_flops(torch.device("cpu"))
+        datasheet_gbps = None
+    else:
+        sheet = find_device(device)
+        if sheet is None:
+            raise ValueError(
+                f"--device {device!r}: not in the planner's datasheet table"
+            )
+        peak = dense_peak_flops(sheet, amp_dtype, conv_share)
+        datasheet_gbps = sheet.link_gb_s * 8 / LINK_DIRECTIONS
+    unused = Link(0.0, float("inf"))
+    intra = unused
+    if procs_per_node > 1:
+        gbps = intra_gbps if intra_gbps is not None else datasheet_gbps
+        intra = _paper_link(gbps, latency, "--intra-gbps")
+    inter = _paper_link(inter_gbps, latency, "--inter-gbps") if nodes > 1 else intra
+    return Calibration(intra, inter, peak, PAPER_EFFICIENCY, "paper")
