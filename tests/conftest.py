@@ -1,5 +1,6 @@
-"""pytest hooks: one torch thread per process (the markers are registered in
-.pytest.ini; what the tests share is in helpers.py)."""
+"""pytest hooks: one torch thread per process; the namespaced nodes of the
+multi-node tests (the markers are registered in .pytest.ini; what the tests
+share is in helpers.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 
 import pytest
 import torch
+
+from distribuuuu.bench.netsim import namespaced_nodes, why_unavailable
 
 
 def pytest_configure(config) -> None:
@@ -38,3 +41,21 @@ def pytest_collection_modifyitems(config, items) -> None:
             "these tests skip without CUDA but lack @pytest.mark.cuda: "
             + ", ".join(unmarked)
         )
+
+
+@pytest.fixture(scope="session")
+def netsim_ready() -> None:
+    """Skip, naming why, where this machine cannot make namespaced nodes
+    (tools/netsim.sh: root, iproute2, and network namespaces, bridges, veth
+    pairs and tc tbf in the kernel)."""
+    reason = why_unavailable()
+    if reason:
+        pytest.skip(f"namespaced nodes (tools/netsim.sh): {reason}")
+
+
+@pytest.fixture(scope="module")
+def two_nodes(netsim_ready):
+    """Two namespaced nodes whose links are shaped to 1000 Mbit/s, shared by
+    a test module and removed after it (also when a test fails)."""
+    with namespaced_nodes(2, 1000) as nodes:
+        yield nodes
