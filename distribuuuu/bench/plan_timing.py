@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distribuuuu.dist.spawn import find_free_port
 from distribuuuu.models import build_model
 from distribuuuu.plan.calibrate import calibrate
-from distribuuuu.plan.cost import Cluster, Workload, step_cost
+from distribuuuu.plan.cost import Workload, step_cost
 from distribuuuu.plan.flops import count_flops
 from distribuuuu.strategies.fsdp import shard_fully
 
@@ -88,8 +88,9 @@ def _predict(model: nn.Module, settings: dict, world: int) -> tuple[dict, dict]:
         model, flops, image_size=size, device=torch.device("cpu"), procs_per_node=world
     )
     done = time.perf_counter()
-    cluster = Cluster(1, world, measured.intra, measured.inter, measured.flops_per_s)
-    work, batch = Workload(flops), settings["batch"]
+    cluster = measured.cluster(1, world)
+    work = Workload.of(flops, None, optimizer_s=measured.optimizer_s)
+    batch = settings["batch"]
     plans = {
         "none": TimedPlan("ddp", 1, batch),
         "ddp": TimedPlan("ddp", world, batch),
@@ -105,6 +106,8 @@ def _predict(model: nn.Module, settings: dict, world: int) -> tuple[dict, dict]:
         "alpha_ms": 1e3 * measured.intra.latency_s,
         "beta_mb_s": measured.intra.bytes_per_s / 1e6,
         "gflop_per_s": measured.flops_per_s / 1e9,
+        "overhead_ms": 1e3 * measured.overhead_s,
+        "optimizer_ms": 1e3 * measured.optimizer_s,
         "gflop_per_image": flops.per_image / 1e9,
     }
     return predicted, calibration
@@ -188,7 +191,9 @@ def format_plan_timing(result: dict) -> str:
     cal = result["calibration"]
     lines.append(
         f"alpha {cal['alpha_ms']:.2f} ms, beta {cal['beta_mb_s']:.0f} MB/s, "
-        f"{cal['gflop_per_s']:.1f} GFLOP/s, {cal['gflop_per_image']:.3f} GFLOP/image "
+        f"{cal['gflop_per_s']:.1f} GFLOP/s + {cal['overhead_ms']:.1f} ms a pass, "
+        f"optimizer {cal['optimizer_ms']:.1f} ms, "
+        f"{cal['gflop_per_image']:.3f} GFLOP/image "
         f"(counted in {cal['count_s']:.2f} s, calibrated in {cal['calibrate_s']:.2f} s)"
     )
     return "\n".join(lines)

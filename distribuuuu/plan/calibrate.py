@@ -18,6 +18,7 @@ datasheet (:mod:`distribuuuu.plan.devices`), with an assumed efficiency.
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -27,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distribuuuu.plan.cost import Link
 from distribuuuu.plan.devices import dense_peak_flops, find_device
 from distribuuuu.plan.flops import ModelFlops
+from distribuuuu.plan.links import Cluster, Link
 
 # The share of the dense peak a model reaches, where it cannot be measured
 # (on paper): an assumption.  Megatron-LM's largest GPT runs reached 52% of
@@ -47,13 +48,31 @@ PAPER_LATENCY_US = {"cuda": 20.0, "cpu": 1500.0}
 
 @dataclass(frozen=True)
 class Calibration:
-    """The machine's figures, as :class:`distribuuuu.plan.cost.Cluster` takes them."""
+    """The machine's figures, as :class:`distribuuuu.plan.links.Cluster` and
+    :class:`distribuuuu.plan.cost.Workload` take them."""
 
     intra: Link
     inter: Link
     peak_flops: float  # dense peak of one device (datasheet, or measured on CPU)
     efficiency: float  # the share of it the model reaches
     source: str  # "measured" or "paper"
+    overhead_s: float = 0.0  # of one forward and backward pass beyond its FLOPs
+    optimizer_s: float = 0.0  # of an optimizer step over all the parameters
+    host: Link | None = None  # device <-> host memory; None on a CPU
+    device_type: str = "cpu"  # "cuda": collectives overlap compute
+
+    def cluster(self, nodes: int, procs_per_node: int) -> Cluster:
+        """``nodes`` x ``procs_per_node`` devices with these figures."""
+        return Cluster(
+            nodes,
+            procs_per_node,
+            self.intra,
+            self.inter,
+            self.flops_per_s,
+            overlap=self.device_type == "cuda",
+            host=self.host,
+            overhead_s=self.overhead_s,
+        )
 
     @property
     def flops_per_s(self) -> float:
@@ -113,8 +132,22 @@ def measure_link(
     return Link(alpha, moved / max(whole - alpha, 1e-9))
 
 
+def measure_host_link(
+    device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 3
+) -> Link | None:
+    """Alpha and beta of copies from pinned host memory to the CUDA
+    ``device`` (None for a CPU, which has no other memory)."""
+    if device.type != "cuda":
+        return None
+    small = torch.zeros(1).pin_memory()
+    large = torch.zeros(nbytes // 4).pin_memory()
+    alpha = _median_s(lambda: small.to(device, non_blocking=True), device, repeats)
+    whole = _median_s(lambda: large.to(device, non_blocking=True), device, repeats)
+    return Link(alpha, nbytes / max(whole - alpha, 1e-9))
+
+
 def measure_peak_flops(
-    device: torch.device, size: int = 1024, repeats: int = 3
+    device: torch.device, size: int = 1024, repeats: int = 2
 ) -> float:
     """FLOP/s of a ``size`` x ``size`` float32 matrix product on ``device``
     with this process's threads: the CPU's peak, which no datasheet gives."""
@@ -141,33 +174,62 @@ def _left_as_it_was(model: nn.Module, device: torch.device) -> Iterator[None]:
             param.grad = None
 
 
-def measure_model_flops(
+def measure_model_speed(
     model: nn.Module,
     flops_per_image: float,
     *,
     image_size: int,
     device: torch.device,
-    batch: int = 4,
+    batches: tuple[int, int] = (2, 6),
     amp_dtype: torch.dtype | None = None,
-) -> float:
-    """The FLOP/s ``model`` (plain, on ``device``) achieves in a forward and
-    backward pass of ``batch`` random images, whose FLOPs are
-    ``flops_per_image`` each; the model is left as it was."""
+) -> tuple[float, float]:
+    """The FLOP/s ``model`` (plain, on ``device``) achieves in its forward
+    and backward passes, and the seconds a pass takes beyond its FLOPs:
+    the line through the times of one pass at each of the two ``batches``
+    of random images (each after a warm-up pass; ``flops_per_image`` FLOPs
+    an image).  The model is left as it was."""
+    autocast = functools.partial(
+        torch.autocast, device.type, amp_dtype, enabled=amp_dtype is not None
+    )
+    seconds = []
+    was_training = model.training
     with _left_as_it_was(model, device):
-        images = torch.randn(batch, 3, image_size, image_size, device=device)
-
-        def train_pass() -> None:
-            with torch.autocast(device.type, amp_dtype, enabled=amp_dtype is not None):
-                loss = model(images).float().sum()
-            loss.backward()
-
-        was_training = model.training
         model.train()
         try:
-            seconds = _median_s(train_pass, device, repeats=2)
+            for batch in batches:
+                images = torch.randn(batch, 3, image_size, image_size, device=device)
+
+                def train_pass(images=images) -> None:
+                    with autocast():
+                        loss = model(images).float().sum()
+                    loss.backward()
+
+                seconds.append(_median_s(train_pass, device, repeats=1))
         finally:
             model.train(was_training)
-    return flops_per_image * batch / seconds
+    (small, large), (t_small, t_large) = batches, seconds
+    per_image = (t_large - t_small) / (large - small)
+    if per_image <= 0:  # too noisy to tell: all of it is compute
+        per_image, overhead = t_large / large, 0.0
+    else:
+        overhead = max(t_small - per_image * small, 0.0)
+    return flops_per_image / per_image, overhead
+
+
+def measure_optimizer_s(
+    parameters: int,
+    device: torch.device,
+    optimizer_class: Callable[[list], torch.optim.Optimizer] = torch.optim.AdamW,
+    sample: int = 2**22,
+) -> float:
+    """Seconds of one step of ``optimizer_class`` over ``parameters`` on
+    ``device``: a step over at most ``sample`` of them, scaled (the step
+    is memory-bound, linear in its parameters)."""
+    size = max(min(parameters, sample), 1)
+    weights = nn.Parameter(torch.zeros(size, device=device))
+    weights.grad = torch.zeros_like(weights)
+    optimizer = optimizer_class([weights])
+    return _median_s(optimizer.step, device, repeats=3) * parameters / size
 
 
 def device_peak_flops(
@@ -199,14 +261,15 @@ def calibrate(
     across nodes the nodes' own groups give the link within a node.
     """
     peak = device_peak_flops(device, amp_dtype, flops.conv_share)
-    achieved = measure_model_flops(
+    achieved, overhead = measure_model_speed(
         model,
         flops.per_image,
         image_size=image_size,
         device=device,
         amp_dtype=amp_dtype,
     )
-    (seconds_per_flop,) = slowest([1 / achieved], device)
+    optimizer = measure_optimizer_s(flops.parameters, device)
+    per_flop, overhead, optimizer = slowest([1 / achieved, overhead, optimizer], device)
     world = measure_link(device)
     if world is None:  # one process: no link is used
         world = Link(0.0, float("inf"))
@@ -217,8 +280,17 @@ def calibrate(
         intra = measure_link(device, node_group) or world
         for group in groups:
             dist.destroy_process_group(group)
-    efficiency = 1 / seconds_per_flop / peak
-    return Calibration(intra, world, peak, efficiency, "measured")
+    return Calibration(
+        intra,
+        world,
+        peak,
+        efficiency=1 / per_flop / peak,
+        source="measured",
+        overhead_s=overhead,
+        optimizer_s=optimizer,
+        host=measure_host_link(device),
+        device_type=device.type,
+    )
 
 
 def _paper_link(gbit_per_s: float | None, latency_us: float, flag: str) -> Link:
@@ -243,14 +315,15 @@ def paper_calibration(
     ``device``: "cpu" (this machine's CPU is measured for its peak) or a
     name :func:`~distribuuuu.plan.devices.find_device` knows.  A link the
     plan uses needs its flag, except the link within a node of a known GPU:
-    its datasheet's NVLink or PCIe figure, one direction.  Raises ValueError
+    its datasheet's NVLink or PCIe figure, one direction (and PCIe to the
+    host, for offloaded state).  Raises ValueError
     naming the missing flag or the unknown device.
     """
     kind = "cpu" if device.strip().lower() == "cpu" else "cuda"
     latency = PAPER_LATENCY_US[kind] if latency_us is None else latency_us
     if kind == "cpu":
         peak = measure_peak_flops(torch.device("cpu"))
-        datasheet_gbps = None
+        datasheet_gbps, host = None, None
     else:
         sheet = find_device(device)
         if sheet is None:
@@ -259,10 +332,13 @@ def paper_calibration(
             )
         peak = dense_peak_flops(sheet, amp_dtype, conv_share)
         datasheet_gbps = sheet.link_gb_s * 8 / LINK_DIRECTIONS
+        host = Link.of(sheet.host_gb_s * 8 / LINK_DIRECTIONS, latency)
     unused = Link(0.0, float("inf"))
     intra = unused
     if procs_per_node > 1:
         gbps = intra_gbps if intra_gbps is not None else datasheet_gbps
         intra = _paper_link(gbps, latency, "--intra-gbps")
     inter = _paper_link(inter_gbps, latency, "--inter-gbps") if nodes > 1 else intra
-    return Calibration(intra, inter, peak, PAPER_EFFICIENCY, "paper")
+    return Calibration(
+        intra, inter, peak, PAPER_EFFICIENCY, "paper", host=host, device_type=kind
+    )

@@ -7,17 +7,10 @@ achieved FLOP/s of one device (a measured efficiency x the device's peak,
 :mod:`distribuuuu.plan.calibrate`).
 
 *Collectives*: each costs ``alpha + factor x bytes / beta`` on its group's
-link (Hockney's model; the factors of ring algorithms as in Thakur et al.,
-"Optimization of Collective Communication Operations in MPICH", 2005, and
-as nccl-tests defines bus bandwidth): an all-reduce moves ``2(n-1)/n`` of
-its bytes over each link, an all-gather or reduce-scatter ``(n-1)/n`` of the
-whole tensor, a broadcast and a point-to-point send all of it.  ``alpha`` is
-one collective's latency, however small it is.  A group whose ranks are all
-on one node uses the intra-node link; one that spans nodes uses the
-inter-node link, shared by the groups of its kind that cross it at once.
-Ranks lie on the mesh as the strategies build it (:mod:`distribuuuu.strategies.mesh`):
-``tp`` neighbours, then ``pp``, then ``dp``; HSDP's ``shard`` groups are
-neighbours and ``replicate`` strides over them.
+link (:mod:`distribuuuu.plan.links`).  Ranks lie on the mesh as the
+strategies build it (:mod:`distribuuuu.strategies.mesh`): ``tp``
+neighbours, then ``pp``, then ``dp``; HSDP's ``shard`` groups are neighbours
+and ``replicate`` strides over them.
 
 *Pipeline*: a step of ``M`` micro-batches over ``S`` stages takes ``M + S - 1``
 slots of the slowest stage (GPipe and 1F1B alike); with ``V`` model chunks per
@@ -32,13 +25,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+import torch
 
 from distribuuuu.models.chains import balanced_bounds
 from distribuuuu.plan.flops import ModelFlops
+from distribuuuu.plan.links import (
+    Cluster,
+    all_reduce_s,
+    gather_s,
+    group_link,
+    send_s,
+)
 
 MIB = 2**20
-GBIT = 1e9 / 8  # bytes per second of one Gbit/s
 
 # DDP's gradient buckets (torch.nn.parallel.DistributedDataParallel:
 # bucket_cap_mb=25, and dist._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB, for the
@@ -78,45 +79,6 @@ class Plan(Protocol):
 
 
 @dataclass(frozen=True)
-class Link:
-    """One kind of link: ``alpha`` and ``beta`` of the alpha-beta model."""
-
-    latency_s: float  # alpha: seconds of one collective, however small
-    bytes_per_s: float  # beta: bus bandwidth, bytes per second over each link
-
-    @classmethod
-    def of(cls, gbit_per_s: float, latency_us: float) -> Link:
-        """A link of ``gbit_per_s`` Gbit/s and ``latency_us`` microseconds."""
-        return cls(latency_us * 1e-6, gbit_per_s * GBIT)
-
-    def seconds(self, moved_bytes: float, share: float = 1.0) -> float:
-        """One collective that moves ``moved_bytes`` over each link, where the
-        group gets ``share`` of the link's bandwidth."""
-        return self.latency_s + moved_bytes / (self.bytes_per_s * share)
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """The machine a plan runs on."""
-
-    nodes: int
-    procs_per_node: int
-    intra: Link  # between the processes of a node
-    inter: Link  # between nodes (one link per node, shared by its processes)
-    flops_per_s: float  # achieved by one device on this model: efficiency x peak
-    # Collectives run beside compute on their own streams (NCCL); False where
-    # the rank waits for each one (gloo on the CPU).  DDP's bucketed
-    # all-reduces overlap the backward pass either way (gloo runs them in its
-    # own threads).
-    overlap: bool = False
-    host: Link | None = None  # device <-> host memory, for offloaded state
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.procs_per_node
-
-
-@dataclass(frozen=True)
 class Workload:
     """The model and the run's precision, as the cost model reads them."""
 
@@ -126,6 +88,19 @@ class Workload:
     activation_bytes: int = 4  # per element between blocks (2 under autocast)
     pipeline_microbatches: int = 0  # DIST.PIPELINE.MICROBATCHES; 0: 2 x stages
     virtual_stages: int = 2  # DIST.PIPELINE.VIRTUAL_STAGES (interleaved_1f1b)
+    # Seconds of the optimizer's step over all the parameters on one device;
+    # a rank steps its share of them.
+    optimizer_s: float = 0.0
+
+    @classmethod
+    def of(
+        cls, flops: ModelFlops, amp_dtype: torch.dtype | None, **keys: Any
+    ) -> Workload:
+        """The workload of a run in ``amp_dtype`` (None: full precision):
+        float32 parameters and gradients; under autocast, activations and
+        FSDP's gathered parameters in its dtype.  ``keys``: the other fields."""
+        low = 4 if amp_dtype is None else torch.finfo(amp_dtype).bits // 8
+        return cls(flops, compute_param_bytes=low, activation_bytes=low, **keys)
 
 
 @dataclass(frozen=True)
@@ -142,41 +117,6 @@ def bubble_fraction(stages: int, micro_batches: int, virtual: int = 1) -> float:
     """The share of a pipeline step that a stage idles:
     ``(S - 1) / (V M + S - 1)`` (``V`` = 1: GPipe, 1F1B)."""
     return (stages - 1) / (virtual * micro_batches + stages - 1)
-
-
-def _group(cluster: Cluster, size: int, stride: int = 1) -> tuple[Link, float]:
-    """The link of a group of ``size`` ranks ``stride`` apart, and the share
-    of its bandwidth the group gets: a group within a node has the intra-node
-    link to itself; the groups that span nodes share each node's link."""
-    per_node = cluster.procs_per_node
-    if size * stride <= per_node or cluster.nodes == 1:
-        return cluster.intra, 1.0
-    in_node = max(1, min(size, per_node // stride))  # its ranks on one node
-    return cluster.inter, in_node / per_node
-
-
-def all_reduce_s(cluster: Cluster, nbytes: float, size: int, stride: int = 1) -> float:
-    """A ring all-reduce of ``nbytes`` over ``size`` ranks."""
-    if size <= 1 or nbytes <= 0:
-        return 0.0
-    link, share = _group(cluster, size, stride)
-    return link.seconds(2 * (size - 1) / size * nbytes, share)
-
-
-def gather_s(cluster: Cluster, nbytes: float, size: int, stride: int = 1) -> float:
-    """An all-gather (or reduce-scatter) whose whole tensor is ``nbytes``."""
-    if size <= 1 or nbytes <= 0:
-        return 0.0
-    link, share = _group(cluster, size, stride)
-    return link.seconds((size - 1) / size * nbytes, share)
-
-
-def send_s(cluster: Cluster, nbytes: float, size: int, stride: int = 1) -> float:
-    """A broadcast or point-to-point send of ``nbytes`` within a group."""
-    if size <= 1:
-        return 0.0
-    link, share = _group(cluster, size, stride)
-    return link.seconds(nbytes, share)
 
 
 def _degree(value: int | None) -> int:
@@ -294,7 +234,7 @@ def _zero1_s(step: _Step) -> float:
     n = step.dp
     if n <= 1:
         return 0.0
-    link, share = _group(step.cluster, n)
+    link, share = group_link(step.cluster, n)
     nbytes = step.work.flops.parameters * step.work.param_bytes
     broadcasts = step.work.flops.parameter_tensors * link.latency_s
     broadcasts += (n - 1) / n * nbytes / (link.bytes_per_s * share)
@@ -390,7 +330,6 @@ def _tensor_parallel_s(step: _Step) -> float:
 
 COLLECTIVES = {
     "ddp": _ddp_s,
-    "tensor": _ddp_s,
     "zero1": _zero1_s,
     "fsdp": _fsdp_s,
     "hsdp": _hsdp_s,
@@ -435,13 +374,27 @@ def pipeline_cost(plan: Plan, work: Workload, cluster: Cluster) -> StepCost:
     per_image, _ = _per_image_flops(work.flops, plan.act_ckpt, 1)
     share, params, cut = _pipeline_split(work.flops, stages, virtual)
     images = plan.micro_batch / micro
-    slot = per_image * share * images / cluster.flops_per_s
+    slot = share * (cluster.overhead_s + per_image * images / cluster.flops_per_s)
     compute = plan.accum_steps * micro * slot
+    compute += work.optimizer_s * params / max(work.flops.parameters, 1)
     bubble = plan.accum_steps * (stages - 1) / virtual * slot
     transfer = send_s(cluster, cut * images * work.activation_bytes, stages)
     comm = plan.accum_steps * 2 * (virtual * micro + stages - 1) * transfer
     comm += all_reduce_s(cluster, params * work.param_bytes, plan.data_parallel, stages)
     return StepCost(compute + bubble + comm, compute, comm, bubble)
+
+
+def _optimizer_share(plan: Plan) -> float:
+    """The share of the parameters whose optimizer step one rank takes: its
+    tensor-parallel share, and of those its shard where the optimizer state
+    is sharded (zero1, fsdp, DeepSpeed over the replicas; hsdp within its
+    shard group)."""
+    share = 1 / _degree(plan.tensor_parallel)
+    if plan.strategy == "hsdp":
+        return share / _degree(plan.shard_size)
+    if plan.strategy in ("zero1", "fsdp", "deepspeed"):
+        return share / plan.data_parallel
+    return share
 
 
 def step_cost(plan: Plan, work: Workload, cluster: Cluster) -> StepCost:
@@ -456,7 +409,8 @@ def step_cost(plan: Plan, work: Workload, cluster: Cluster) -> StepCost:
         )
     tp = _degree(plan.tensor_parallel)
     per_image, backward = _per_image_flops(work.flops, plan.act_ckpt, tp)
-    compute = per_image * plan.micro_batch * plan.accum_steps / cluster.flops_per_s
+    one_pass = cluster.overhead_s + per_image * plan.micro_batch / cluster.flops_per_s
+    compute = plan.accum_steps * one_pass + work.optimizer_s * _optimizer_share(plan)
     backward_s = backward * plan.micro_batch / cluster.flops_per_s
     step = _Step(plan, work, cluster, compute, backward_s)
     comm = COLLECTIVES[plan.strategy](step) + _tensor_parallel_s(step)

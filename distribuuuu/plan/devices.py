@@ -15,7 +15,7 @@ Sources (the datasheets and product pages, each with its footnote
 - A100: NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-
   nvidia-1758950-r4), https://www.nvidia.com/en-us/data-center/a100/ :
   FP32 19.5, TF32 156 | 312*, BF16 312 | 624* TFLOPS; 40 GB HBM2 or 80 GB
-  HBM2e; NVLink 600 GB/s (SXM), PCIe Gen4 64 GB/s.
+  HBM2e; NVLink 600 GB/s (SXM); PCIe Gen4 64 GB/s.
 - H100: NVIDIA H100 Tensor Core GPU datasheet,
   https://www.nvidia.com/en-us/data-center/h100/ : SXM FP32 67, TF32 989*,
   BF16 1,979*; PCIe FP32 51, TF32 756*, BF16 1,513*; NVL FP32 60, TF32 835*,
@@ -32,7 +32,8 @@ Sources (the datasheets and product pages, each with its footnote
   https://www.nvidia.com/en-us/data-center/products/a10-gpu/ : FP32 31.2,
   TF32 62.5 | 125*, BF16 125 | 250*; 24 GB GDDR6; PCIe Gen4 64 GB/s.
 
-Interconnect figures are the datasheets' bidirectional totals.
+Interconnect figures (NVLink, PCIe to the host) are the datasheets'
+bidirectional totals.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ class DeviceSheet:
     fp32_tflops: float  # without tensor cores
     tf32_tflops: float  # dense tensor-core TF32
     bf16_tflops: float  # dense tensor-core bf16 (fp16 is the same)
-    link_gb_s: float  # NVLink, or PCIe where the board has none; bidirectional
+    # Between the GPUs of a node, bidirectional: NVLink on SXM boards; PCIe on
+    # PCIe and NVL boards, whose NVLink bridges join only pairs (H200 NVL: up
+    # to 4), so that a ring over a node's 8 GPUs crosses PCIe.
+    link_gb_s: float
+    host_gb_s: float  # PCIe to the host, bidirectional
     default: bool = False  # the one a bare model name means
 
     def peak_flops(self, precision: str) -> float:
@@ -74,19 +79,20 @@ class DeviceSheet:
 
 
 # Dense figures: the datasheets' sparse ones (marked *) halved, as their
-# footnotes say (see the module's docstring for each source).
+# footnotes say: H100 SXM's TF32 989* and BF16 1,979* are 494.5 and 989.5
+# (see the module's docstring for each source).
 DEVICES = (
-    DeviceSheet("A100 SXM 40GB", "a100", "sxm", 40, 19.5, 156, 312, 600, True),
-    DeviceSheet("A100 SXM 80GB", "a100", "sxm", 80, 19.5, 156, 312, 600),
-    DeviceSheet("A100 PCIe 40GB", "a100", "pcie", 40, 19.5, 156, 312, 64),
-    DeviceSheet("A100 PCIe 80GB", "a100", "pcie", 80, 19.5, 156, 312, 64),
-    DeviceSheet("H100 SXM", "h100", "sxm", 80, 67, 989 / 2, 1979 / 2, 900, True),
-    DeviceSheet("H100 PCIe", "h100", "pcie", 80, 51, 756 / 2, 1513 / 2, 128),
-    DeviceSheet("H100 NVL", "h100", "nvl", 94, 60, 835 / 2, 1671 / 2, 600),
-    DeviceSheet("H200 SXM", "h200", "sxm", 141, 67, 989 / 2, 1979 / 2, 900, True),
-    DeviceSheet("H200 NVL", "h200", "nvl", 141, 60, 835 / 2, 1671 / 2, 900),
-    DeviceSheet("L40S", "l40s", "pcie", 48, 91.6, 183, 362.05, 64, True),
-    DeviceSheet("A10", "a10", "pcie", 24, 31.2, 62.5, 125, 64, True),
+    DeviceSheet("A100 SXM 40GB", "a100", "sxm", 40, 19.5, 156, 312, 600, 64, True),
+    DeviceSheet("A100 SXM 80GB", "a100", "sxm", 80, 19.5, 156, 312, 600, 64),
+    DeviceSheet("A100 PCIe 40GB", "a100", "pcie", 40, 19.5, 156, 312, 64, 64),
+    DeviceSheet("A100 PCIe 80GB", "a100", "pcie", 80, 19.5, 156, 312, 64, 64),
+    DeviceSheet("H100 SXM", "h100", "sxm", 80, 67, 494.5, 989.5, 900, 128, True),
+    DeviceSheet("H100 PCIe", "h100", "pcie", 80, 51, 378, 756.5, 128, 128),
+    DeviceSheet("H100 NVL", "h100", "nvl", 94, 60, 417.5, 835.5, 128, 128),
+    DeviceSheet("H200 SXM", "h200", "sxm", 141, 67, 494.5, 989.5, 900, 128, True),
+    DeviceSheet("H200 NVL", "h200", "nvl", 141, 60, 417.5, 835.5, 128, 128),
+    DeviceSheet("L40S", "l40s", "pcie", 48, 91.6, 183, 362.05, 64, 64, True),
+    DeviceSheet("A10", "a10", "pcie", 24, 31.2, 62.5, 125, 64, 64, True),
 )
 FORMS = ("sxm", "pcie", "nvl")
 

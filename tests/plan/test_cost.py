@@ -16,16 +16,10 @@ from tensorboard.backend.event_processing import event_accumulator
 from distribuuuu.bench.plan_timing import TimedPlan
 from distribuuuu.models import build_model
 from distribuuuu.plan import flops as plan_flops
-from distribuuuu.plan.cost import (
-    Cluster,
-    Link,
-    Workload,
-    bubble_fraction,
-    pipeline_cost,
-    step_cost,
-)
+from distribuuuu.plan.cost import Workload, bubble_fraction, pipeline_cost, step_cost
 from distribuuuu.plan.devices import dense_peak_flops, find_device
 from distribuuuu.plan.flops import BlockProfile, ModelFlops, count_flops
+from distribuuuu.plan.links import Cluster, Link
 
 # A ViT-B/16-like model on paper: 12 equal blocks, 86 M parameters.
 VIT_B = ModelFlops(
@@ -153,7 +147,8 @@ def test_more_micro_batches_and_chunks_shrink_the_bubble():
 # --------------------------------------------------------------------------- #
 @pytest.mark.parametrize("nodes,per_node", [(1, 8), (2, 4), (4, 2)])
 def test_a_faster_link_never_makes_a_step_slower(nodes, per_node):
-    work = Workload(VIT_B, compute_param_bytes=2, activation_bytes=2)
+    work = Workload.of(VIT_B, torch.bfloat16)
+    assert (work.compute_param_bytes, work.activation_bytes) == (2, 2)
     for overlap, plan in itertools.product((False, True), every_plan(nodes * per_node)):
         base = cluster(nodes, per_node, overlap=overlap)
         slow = step_cost(plan, work, base).step_s

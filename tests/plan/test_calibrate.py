@@ -1,0 +1,64 @@
+"""Calibration: measuring this machine leaves the model as it was, and the
+figures on paper come from the flags and the datasheet, or a clear error."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from distribuuuu.models import build_model
+from distribuuuu.plan.calibrate import calibrate, paper_calibration
+from distribuuuu.plan.flops import count_flops
+
+
+def test_calibrating_leaves_the_model_as_it_was():
+    """BatchNorm's running statistics, the gradients and the RNG are those
+    of before: a run that calibrates trains as one that does not."""
+    torch.manual_seed(0)
+    model = build_model("resnet8", 10)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    flops = count_flops(functools.partial(build_model, "resnet8", 10), 28)
+    measured = calibrate(
+        model, flops, image_size=28, device=torch.device("cpu"), procs_per_node=1
+    )
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+    # The figures are this machine's (and its load's): only their sense holds.
+    assert measured.source == "measured" and measured.efficiency > 0
+    assert measured.flops_per_s > 0 and measured.optimizer_s > 0
+    assert measured.inter.bytes_per_s == float("inf")  # one process: no link
+
+
+def test_a_gpu_on_paper_takes_its_datasheet_and_the_flags():
+    paper = paper_calibration(
+        "NVIDIA H100",
+        nodes=2,
+        procs_per_node=8,
+        inter_gbps=400,
+        latency_us=10,
+        amp_dtype=torch.bfloat16,
+    )
+    assert paper.peak_flops == pytest.approx(989.5e12)  # dense bf16
+    assert paper.intra.bytes_per_s == pytest.approx(450e9)  # NVLink, one way
+    assert paper.inter.bytes_per_s == pytest.approx(50e9)  # 400 Gbit/s
+    assert paper.inter.latency_s == pytest.approx(10e-6)
+    assert paper.host.bytes_per_s == pytest.approx(64e9)  # PCIe Gen5, one way
+    cluster = paper.cluster(2, 8)
+    assert cluster.overlap and cluster.world == 16
+    assert paper.source == "paper" and 0 < paper.efficiency < 1
+
+
+def test_paper_refuses_what_it_cannot_know():
+    with pytest.raises(ValueError, match="--inter-gbps"):
+        paper_calibration("A100", nodes=2, procs_per_node=8)
+    with pytest.raises(ValueError, match="--intra-gbps"):
+        paper_calibration("cpu", nodes=1, procs_per_node=2)
+    with pytest.raises(ValueError, match="'NVIDIA A10G': not in the planner's"):
+        paper_calibration("NVIDIA A10G", nodes=1, procs_per_node=1)
+    one = paper_calibration("cpu", nodes=2, procs_per_node=1, inter_gbps=0.1)
+    assert one.inter.bytes_per_s == pytest.approx(12.5e6) and one.peak_flops > 0
