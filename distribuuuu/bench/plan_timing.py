@@ -151,8 +151,10 @@ def measure_plan_timing(
     warmup: int = 2,
 ) -> dict:
     """Per way (none, ddp, zero1, fsdp): the measured median step (ms, the
-    slowest rank's each round) and the predicted one; and the calibration
-    (rank 0's figures, the count's and calibration's seconds)."""
+    slowest rank's each round), the predicted one, and each over the step
+    without sync (what the collectives add, apart from the compute's
+    calibration); and the calibration (rank 0's figures, the count's and
+    calibration's seconds)."""
     settings = {"arch": arch, "image_size": image_size, "batch": batch}
     settings.update(rounds=rounds, warmup=warmup)
     with tempfile.TemporaryDirectory(prefix="distribuuuu-plan-") as work:
@@ -177,16 +179,20 @@ def measure_plan_timing(
             "predicted_ms": predicted,
             "error": predicted / measured - 1,
         }
+    for row in rows.values():  # what the sync adds to a step without it
+        row["measured_over_none"] = row["measured_ms"] / rows["none"]["measured_ms"]
+        row["predicted_over_none"] = row["predicted_ms"] / rows["none"]["predicted_ms"]
     return {"ways": rows, "calibration": per_rank[0][2]}
 
 
 def format_plan_timing(result: dict) -> str:
     """The result of :func:`measure_plan_timing` as a table."""
-    lines = ["way     measured ms  predicted ms  error"]
+    lines = ["way     measured ms  predicted ms  error   / none: measured  predicted"]
     for way, row in result["ways"].items():
         lines.append(
             f"{way:<7} {row['measured_ms']:>11.1f} {row['predicted_ms']:>13.1f} "
-            f"{row['error']:>+6.1%}"
+            f"{row['error']:>+6.1%} {row['measured_over_none']:>17.3f} "
+            f"{row['predicted_over_none']:>10.3f}"
         )
     cal = result["calibration"]
     lines.append(

@@ -244,6 +244,40 @@ def device_peak_flops(
     return measure_peak_flops(device)
 
 
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """How fast one device runs the model, measured in this process."""
+
+    peak_flops: float  # dense peak (datasheet; a matrix product on a CPU)
+    efficiency: float  # the share of it the model's passes reach
+    overhead_s: float  # of one forward and backward pass beyond its FLOPs
+    optimizer_s: float  # of an optimizer step over all the parameters
+
+
+def measure_device(
+    model: nn.Module,
+    flops: ModelFlops,
+    *,
+    image_size: int,
+    device: torch.device,
+    amp_dtype: torch.dtype | None = None,
+) -> DeviceSpeed:
+    """The speed of ``device`` on ``model`` (plain, on ``device``, left as
+    it was; ``flops``: its count), without a process group: what
+    :func:`calibrate` measures on every rank, and what ``tools/plan.py
+    --device cpu`` measures of this machine's CPU."""
+    peak = device_peak_flops(device, amp_dtype, flops.conv_share)
+    achieved, overhead = measure_model_speed(
+        model,
+        flops.per_image,
+        image_size=image_size,
+        device=device,
+        amp_dtype=amp_dtype,
+    )
+    optimizer = measure_optimizer_s(flops.parameters, device)
+    return DeviceSpeed(peak, achieved / peak, overhead, optimizer)
+
+
 def calibrate(
     model: nn.Module,
     flops: ModelFlops,
@@ -256,26 +290,21 @@ def calibrate(
     """Measure the live machine (a collective: every rank calls it).
 
     ``model``: the plain model on ``device``, left as it was; ``flops``: its
-    count.  The world's all-reduces give the link between nodes (a ring
-    crosses each node's link once) and, on one node, the link within it;
-    across nodes the nodes' own groups give the link within a node.
+    count.  Every rank measures its device (:func:`measure_device`) and the
+    slowest figures are kept.  The world's all-reduces give the link between
+    nodes (a ring crosses each node's link once) and, on one node, the link
+    within it; across nodes the nodes' own groups give the link within one.
     """
-    peak = device_peak_flops(device, amp_dtype, flops.conv_share)
-    achieved, overhead = measure_model_speed(
-        model,
-        flops.per_image,
-        image_size=image_size,
-        device=device,
-        amp_dtype=amp_dtype,
+    speed = measure_device(
+        model, flops, image_size=image_size, device=device, amp_dtype=amp_dtype
     )
-    optimizer = measure_optimizer_s(flops.parameters, device)
-    per_flop, overhead, optimizer = slowest([1 / achieved, overhead, optimizer], device)
-    world = measure_link(device)
-    if world is None:  # one process: no link is used
-        world = Link(0.0, float("inf"))
+    per_flop, overhead, optimizer = slowest(
+        [1 / speed.efficiency, speed.overhead_s, speed.optimizer_s], device
+    )
+    world = measure_link(device) or Link(0.0, float("inf"))  # none in one process
     intra = world
     size = dist.get_world_size() if dist.is_initialized() else 1
-    if 1 < procs_per_node < size:
+    if 1 < procs_per_node < size and size % procs_per_node == 0:
         node_group, groups = dist.new_subgroups(group_size=procs_per_node)
         intra = measure_link(device, node_group) or world
         for group in groups:
@@ -283,8 +312,8 @@ def calibrate(
     return Calibration(
         intra,
         world,
-        peak,
-        efficiency=1 / per_flop / peak,
+        speed.peak_flops,
+        efficiency=1 / per_flop,
         source="measured",
         overhead_s=overhead,
         optimizer_s=optimizer,
@@ -309,20 +338,23 @@ def paper_calibration(
     latency_us: float | None = None,
     amp_dtype: torch.dtype | None = None,
     conv_share: float = 0.0,
+    speed: DeviceSpeed | None = None,
 ) -> Calibration:
     """The figures of a machine on paper (``tools/plan.py``).
 
-    ``device``: "cpu" (this machine's CPU is measured for its peak) or a
-    name :func:`~distribuuuu.plan.devices.find_device` knows.  A link the
-    plan uses needs its flag, except the link within a node of a known GPU:
-    its datasheet's NVLink or PCIe figure, one direction (and PCIe to the
-    host, for offloaded state).  Raises ValueError
-    naming the missing flag or the unknown device.
+    ``device``: "cpu" or a name :func:`~distribuuuu.plan.devices.find_device`
+    knows; ``speed``: the device measured on the model (this machine's CPU,
+    :func:`measure_device`), else its peak (datasheet, or a matrix product
+    on this CPU) at :data:`PAPER_EFFICIENCY`.  A link the plan uses needs
+    its flag, except the link within a node of a known GPU: its datasheet's
+    NVLink or PCIe figure, one direction (and PCIe to the host, for
+    offloaded state).  Raises ValueError naming the missing flag or the
+    unknown device.
     """
     kind = "cpu" if device.strip().lower() == "cpu" else "cuda"
     latency = PAPER_LATENCY_US[kind] if latency_us is None else latency_us
     if kind == "cpu":
-        peak = measure_peak_flops(torch.device("cpu"))
+        peak = speed.peak_flops if speed else measure_peak_flops(torch.device("cpu"))
         datasheet_gbps, host = None, None
     else:
         sheet = find_device(device)
@@ -339,6 +371,16 @@ def paper_calibration(
         gbps = intra_gbps if intra_gbps is not None else datasheet_gbps
         intra = _paper_link(gbps, latency, "--intra-gbps")
     inter = _paper_link(inter_gbps, latency, "--inter-gbps") if nodes > 1 else intra
+    if speed is None:
+        speed = DeviceSpeed(peak, PAPER_EFFICIENCY, 0.0, 0.0)
     return Calibration(
-        intra, inter, peak, PAPER_EFFICIENCY, "paper", host=host, device_type=kind
+        intra,
+        inter,
+        speed.peak_flops,
+        speed.efficiency,
+        "paper",
+        overhead_s=speed.overhead_s,
+        optimizer_s=speed.optimizer_s,
+        host=host,
+        device_type=kind,
     )

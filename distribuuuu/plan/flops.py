@@ -7,7 +7,8 @@ products and attention (``torch.utils.flop_counter``); element-wise work,
 norms and the optimizer are left out, as in every MFU figure (PaLM, Chowdhery
 et al. 2022, appendix B; Megatron-LM, Narayanan et al. 2021, sec. 5.1).
 The count is of the model's own forward and backward (the input needs no
-gradient): activation checkpointing's recomputation is not model FLOPs.
+gradient): activation checkpointing's recomputation is not model FLOPs, and
+neither is a distillation teacher's forward.
 
 On the meta device, attention runs as its math form (two batched products,
 which the counter sees); on the CPU, torch's fused attention kernel has no

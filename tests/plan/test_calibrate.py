@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distribuuuu.models import build_model
-from distribuuuu.plan.calibrate import calibrate, paper_calibration
+from distribuuuu.plan.calibrate import DeviceSpeed, calibrate, paper_calibration
 from distribuuuu.plan.flops import count_flops
 
 
@@ -62,3 +62,18 @@ def test_paper_refuses_what_it_cannot_know():
         paper_calibration("NVIDIA A10G", nodes=1, procs_per_node=1)
     one = paper_calibration("cpu", nodes=2, procs_per_node=1, inter_gbps=0.1)
     assert one.inter.bytes_per_s == pytest.approx(12.5e6) and one.peak_flops > 0
+
+
+def test_a_cpu_on_paper_runs_as_fast_as_this_one_was_measured():
+    """``tools/plan.py --device cpu`` plans with this CPU's own speed on the
+    model where it measured it, not an assumed share of its peak."""
+    speed = DeviceSpeed(
+        peak_flops=50e9, efficiency=0.6, overhead_s=0.01, optimizer_s=0.02
+    )
+    paper = paper_calibration(
+        "cpu", nodes=2, procs_per_node=1, inter_gbps=1, speed=speed
+    )
+    cluster = paper.cluster(2, 1)
+    assert cluster.flops_per_s == pytest.approx(30e9)
+    assert (cluster.overhead_s, paper.optimizer_s) == (0.01, 0.02)
+    assert not cluster.overlap and cluster.host is None
