@@ -115,9 +115,11 @@ def check_launch(cfg: CfgNode, num_procs: int = 1) -> None:
 
 def check_layout(cfg: CfgNode, world_size: int) -> None:
     """Refuse a way of spreading the model that cannot work on ``world_size``
-    processes (a pipeline that cannot be cut as asked); raise ConfigError."""
+    processes (a pipeline that cannot be cut as asked, HSDP's shard groups
+    not dividing the world); raise ConfigError."""
     import torch
 
+    from distribuuuu.dist.group import detect_launch
     from distribuuuu.engine.specs import strategy_spec
     from distribuuuu.strategies.chain import check_layout as check_steps
 
@@ -126,8 +128,11 @@ def check_layout(cfg: CfgNode, world_size: int) -> None:
 
     on_gpu = cfg.DEVICE != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda:0" if on_gpu else "cpu")  # as a rank will pick
+    # The processes on this node: --num-procs starts all of them here.
+    local = detect_launch().local_world_size if is_launched() else world_size
+    spec = dataclasses.replace(strategy_spec(cfg, device), local_world_size=local)
     try:
-        check_steps(strategy_spec(cfg, device), world_size, skeleton)
+        check_steps(spec, world_size, skeleton)
     except ValueError as error:
         raise ConfigError(str(error)) from error
 

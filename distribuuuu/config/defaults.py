@@ -396,15 +396,25 @@ _C.DIST.STOP_CHECK_STEPS = 20
 # --num-procs; every rank holds everything) | zero1 (DDP, optimizer state sharded
 # across ranks with ZeroRedundancyOptimizer) | fsdp (parameters, gradients and
 # optimizer state sharded with FSDP2 fully_shard, per block; checkpoints are
-# saved sharded, one piece per rank) | pipeline (the layers split into
+# saved sharded, one piece per rank) | hsdp (fsdp within each node, or group of
+# DIST.HSDP.SHARD_SIZE processes, the groups replicas of each other: FSDP2 on a
+# 2-D mesh replicate x shard) | pipeline (the layers split into
 # DIST.PIPELINE.STAGES stages, one per process, micro-batches flowing through
 # them; data parallel over the remaining factor of the world size) | deepspeed
 # (DeepSpeed's engine with ZeRO DIST.DEEPSPEED.ZERO_STAGE; pip install -e
 # '.[deepspeed]')
 _C.DIST.STRATEGY = "ddp"
-# FSDP only: keep the sharded parameters and gradients in host memory (the
-# optimizer step runs on the CPU)
+# FSDP and HSDP only: keep the sharded parameters and gradients in host memory
+# (the optimizer step runs on the CPU)
 _C.DIST.FSDP_CPU_OFFLOAD = False
+# Hybrid sharding (DIST.STRATEGY hsdp): each group of SHARD_SIZE neighbouring
+# ranks shards one copy of the model (gathers stay within it); the groups keep
+# identical copies (gradients all-reduced across them)
+_C.DIST.HSDP = CfgNode()
+# Processes per shard group; it must divide the world size. 0 = the processes
+# per node as launched (torchrun's --nproc_per_node, --num-procs, Slurm's tasks
+# per node)
+_C.DIST.HSDP.SHARD_SIZE = 0
 # Tensor parallelism: split each transformer block over this many ranks
 # (Megatron's column/row-parallel attention and MLP; vit_tiny_patch4 and
 # torchvision's vit_*), with DIST.STRATEGY ddp or fsdp over the replicas. The

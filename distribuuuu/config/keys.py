@@ -43,7 +43,7 @@ OPTIMIZERS = ("sgd", "adamw", "rmsprop", "lamb", "lars")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("", "nccl", "gloo")
 DIST_MODES = ("ddp", "dp")
-STRATEGIES = ("dp", "ddp", "zero1", "fsdp", "pipeline", "deepspeed")
+STRATEGIES = ("dp", "ddp", "zero1", "fsdp", "hsdp", "pipeline", "deepspeed")
 OFFLOADS = ("none", "cpu", "nvme")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PRECISIONS = ("auto", "none", "bf16", "fp16")
@@ -191,6 +191,7 @@ RANGES = {
         f"must be in (0, {MAX_INIT_TIMEOUT}] seconds (7 days)",
     ),
     "DIST.TENSOR_PARALLEL": _at_least(1, " (1 = off)"),
+    "DIST.HSDP.SHARD_SIZE": _at_least(0, " (0 = the processes per node)"),
     "DIST.STOP_CHECK_STEPS": _at_least(1),
     "DIST.PIPELINE.STAGES": _at_least(2),
     "DIST.PIPELINE.MICROBATCHES": _at_least(0, " (0 = 2 x STAGES)"),

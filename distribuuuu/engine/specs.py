@@ -323,6 +323,7 @@ def strategy_spec(
         tensor_parallel=dist.TENSOR_PARALLEL,
         sequence_parallel=dist.SEQUENCE_PARALLEL,
         fsdp_cpu_offload=dist.FSDP_CPU_OFFLOAD,
+        hsdp_shard_size=dist.HSDP.SHARD_SIZE,
         syncbn=model.SYNCBN,
         arch=model.ARCH,
         image_size=cfg.TRAIN.IM_SIZE,

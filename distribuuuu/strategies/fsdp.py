@@ -9,7 +9,8 @@ keeps the shards in host memory.  In one process there is nothing to shard:
 the model runs as under ddp.  Under ``DIST.TENSOR_PARALLEL`` the blocks are
 split first and FSDP shards them again over the ``dp`` axis (2-D FSDP x TP,
 PyTorch's own recipe), where there is more than one replica.  The state of
-sharded weights is :mod:`distribuuuu.strategies.spread`'s.
+sharded weights is :mod:`distribuuuu.strategies.spread`'s.  ``DIST.STRATEGY
+hsdp`` (:mod:`distribuuuu.strategies.hsdp`) is this strategy over a 2-D mesh.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
@@ -34,10 +35,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from distribuuuu.dist import group as du
 from distribuuuu.models import find_blocks
 from distribuuuu.strategies.base import Strategy
-from distribuuuu.strategies.broadcast import broadcast_model
+from distribuuuu.strategies.broadcast import broadcast_buffers, broadcast_model
 from distribuuuu.strategies.mesh import axis
 from distribuuuu.strategies.registry import register
 from distribuuuu.strategies.spec import FP16, SYNCBN, StrategySpec
+
+if TYPE_CHECKING:  # imported for the annotations only
+    from distribuuuu.models.ema import ModelEma
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +54,7 @@ def shard_fully(
     mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """FSDP2 (ZeRO-3): shard every block, then the rest, over all ranks (or
-    over the 1-D ``mesh``).
+    over the 1-D ``mesh``; a 2-D ``mesh`` replicate x shard makes it HSDP).
 
     ``param_dtype``: the dtype of the gathered parameters that the forward and
     backward passes compute with (None: as stored).
@@ -78,10 +82,13 @@ def shard_fully(
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)
+    hybrid = mesh.ndim == 2  # HSDP: shards over the last axis, copies over the first
     logger.info(
-        "FSDP: parameters, gradients and optimizer state sharded over %d ranks "
+        "%s: parameters, gradients and optimizer state sharded over %d ranks%s "
         "in %d blocks + the rest%s",
-        mesh.size(),
+        "HSDP" if hybrid else "FSDP",
+        mesh.size(mesh.ndim - 1),
+        f", replicated over {mesh.size(0)} groups of them" * hybrid,
         len(blocks),
         "; parameters and gradients kept in host memory" * cpu_offload,
     )
@@ -129,6 +136,26 @@ class FSDPStrategy(Strategy):
             return self.name
         over = "fsdp" if is_sharded(model) else "ddp"
         return self.tensor_parallel.describe(self.dims.dp, over=over)
+
+    def save_weights(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        ema: ModelEma | None,
+        out_dir: str,
+        name: str,
+    ) -> dict:
+        """The sharded checkpoint, with rank 0's buffers on every rank first.
+
+        FSDP syncs no buffers: each rank updates its own BatchNorm statistics
+        from its batches, and DCP writes a tensor that every rank holds from
+        whichever rank it picks.  With rank 0's everywhere (those evaluation
+        uses), the checkpoint holds rank 0's and a resumed run goes on from
+        them as the uninterrupted run does.  Training is unchanged: it
+        normalizes with the batch's statistics.
+        """
+        broadcast_buffers(model)
+        return super().save_weights(model, optimizer, ema, out_dir, name)
 
     @contextlib.contextmanager
     def gradient_sync(self, model: nn.Module, sync: bool) -> Iterator[None]:

@@ -22,6 +22,7 @@ LAZY_INDEX = {
     "ddp": "ddp",
     "zero1": "zero1",
     "fsdp": "fsdp",
+    "hsdp": "hsdp",
     "pipeline": "pipeline",
     "deepspeed": "deepspeed",
 }

@@ -83,7 +83,9 @@ class StrategySpec:
     ``amp_dtype`` its autocast dtype (None: full precision).
     ``build_optimizer`` and ``param_groups`` are OPTIM's optimizer and
     parameter groups over a model; ``optimizer_state_tensors`` the tensors
-    of state it keeps per parameter.
+    of state it keeps per parameter.  ``hsdp_shard_size`` is
+    DIST.HSDP.SHARD_SIZE (0: ``local_world_size``, the processes on this
+    node, itself 0 where the launch is to tell at run time).
     """
 
     name: str = "ddp"
@@ -93,6 +95,8 @@ class StrategySpec:
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     fsdp_cpu_offload: bool = False
+    hsdp_shard_size: int = 0
+    local_world_size: int = 0
     syncbn: bool = False
     arch: str = ""
     image_size: int = 224
