@@ -18,7 +18,6 @@ datasheet (:mod:`distribuuuu.plan.devices`), with an assumed efficiency.
 from __future__ import annotations
 
 import contextlib
-import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -174,6 +173,26 @@ def _left_as_it_was(model: nn.Module, device: torch.device) -> Iterator[None]:
             param.grad = None
 
 
+def _pass_seconds(
+    model: nn.Module,
+    batch: int,
+    image_size: int,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+) -> float:
+    """Seconds of one forward and backward pass of ``batch`` random images,
+    after a warm-up pass (cuDNN's autotuning, the allocator)."""
+    images = torch.randn(batch, 3, image_size, image_size, device=device)
+    on = amp_dtype is not None
+
+    def train_pass() -> None:
+        with torch.autocast(device.type, amp_dtype, enabled=on):
+            loss = model(images).float().sum()
+        loss.backward()
+
+    return _median_s(train_pass, device, repeats=1)
+
+
 def measure_model_speed(
     model: nn.Module,
     flops_per_image: float,
@@ -182,35 +201,28 @@ def measure_model_speed(
     device: torch.device,
     batches: tuple[int, int] = (2, 6),
     amp_dtype: torch.dtype | None = None,
+    budget_s: float = 0.3,
 ) -> tuple[float, float]:
     """The FLOP/s ``model`` (plain, on ``device``) achieves in its forward
-    and backward passes, and the seconds a pass takes beyond its FLOPs:
-    the line through the times of one pass at each of the two ``batches``
-    of random images (each after a warm-up pass; ``flops_per_image`` FLOPs
-    an image).  The model is left as it was."""
-    autocast = functools.partial(
-        torch.autocast, device.type, amp_dtype, enabled=amp_dtype is not None
-    )
-    seconds = []
+    and backward passes, and the seconds a pass takes beyond its FLOPs: the
+    line through the times of one pass at each of the two ``batches``
+    (``flops_per_image`` FLOPs an image).  Where the smaller batch's pass
+    takes more than ``budget_s``, the model is large for the device and that
+    pass alone gives its speed (no overhead).  The model is left as it was."""
+    small, large = batches
     was_training = model.training
     with _left_as_it_was(model, device):
         model.train()
         try:
-            for batch in batches:
-                images = torch.randn(batch, 3, image_size, image_size, device=device)
-
-                def train_pass(images=images) -> None:
-                    with autocast():
-                        loss = model(images).float().sum()
-                    loss.backward()
-
-                seconds.append(_median_s(train_pass, device, repeats=1))
+            t_small = _pass_seconds(model, small, image_size, device, amp_dtype)
+            t_large = 0.0
+            if t_small <= budget_s:
+                t_large = _pass_seconds(model, large, image_size, device, amp_dtype)
         finally:
             model.train(was_training)
-    (small, large), (t_small, t_large) = batches, seconds
     per_image = (t_large - t_small) / (large - small)
-    if per_image <= 0:  # too noisy to tell: all of it is compute
-        per_image, overhead = t_large / large, 0.0
+    if per_image <= 0:  # a large model, or too noisy to tell: all of it compute
+        per_image, overhead = max(t_large / large, t_small / small), 0.0
     else:
         overhead = max(t_small - per_image * small, 0.0)
     return flops_per_image / per_image, overhead

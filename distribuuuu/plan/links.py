@@ -47,9 +47,8 @@ class Cluster:
     inter: Link  # between nodes (one link per node, shared by its processes)
     flops_per_s: float  # achieved by one device on this model: efficiency x peak
     # Collectives run beside compute on their own streams (NCCL); False where
-    # the rank waits for each one (gloo on the CPU).  DDP's bucketed
-    # all-reduces overlap the backward pass either way (gloo runs them in its
-    # own threads).
+    # they take the compute's time (gloo on the CPU: the rank waits for them,
+    # or its threads take the cores that the compute keeps busy).
     overlap: bool = False
     host: Link | None = None  # device <-> host memory, for offloaded state
     # Seconds a micro-batch's forward and backward take beyond their FLOPs
