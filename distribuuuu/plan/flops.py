@@ -232,8 +232,13 @@ class FlopMeter:
         self.rate: FlopRate | None = None
         self.counted = False
 
-    def of_window(self, images: int, seconds: float) -> dict:
-        """:meth:`FlopRate.of_window`, or {} for a model not counted."""
+    def count_once(self) -> None:
+        """Count the FLOPs now if not yet: before a profiler starts, so that
+        its trace holds the training steps alone."""
         if not self.counted:
             self.rate, self.counted = self.count(), True
+
+    def of_window(self, images: int, seconds: float) -> dict:
+        """:meth:`FlopRate.of_window`, or {} for a model not counted."""
+        self.count_once()
         return {} if self.rate is None else self.rate.of_window(images, seconds)
