@@ -3,9 +3,10 @@ measured, on real gloo ranks (for ``tools/benchmark.py --only plan``).
 
 Every rank builds one copy of the model per way of training it (no
 gradient sync, ddp, zero1, fsdp), then times their optimizer steps
-interleaved, round after round, so that the machine's drift touches each
-alike; a round's step takes the time of its slowest rank, and each way's
-figure is the median over the rounds.  Before that, the ranks calibrate
+interleaved, round after round, each round starting with the next way, so
+that the machine's drift and the order touch each alike; a round's step
+takes the time of its slowest rank, and each way's figure is the median
+over the rounds.  Before that, the ranks calibrate
 (:func:`distribuuuu.plan.calibrate.calibrate`, as ``DIST.STRATEGY auto``
 does) and predict each way's step (:func:`distribuuuu.plan.cost.step_cost`).
 """
@@ -89,7 +90,12 @@ def _predict(model: nn.Module, settings: dict, world: int) -> tuple[dict, dict]:
     )
     done = time.perf_counter()
     cluster = measured.cluster(1, world)
-    work = Workload.of(flops, None, optimizer_s=measured.optimizer_s)
+    work = Workload.of(
+        flops,
+        None,
+        optimizer_s=measured.optimizer_s,
+        sharded_tensor_s=measured.sharded_tensor_s,
+    )
     batch = settings["batch"]
     plans = {
         "none": TimedPlan("ddp", 1, batch),
@@ -108,6 +114,7 @@ def _predict(model: nn.Module, settings: dict, world: int) -> tuple[dict, dict]:
         "gflop_per_s": measured.flops_per_s / 1e9,
         "overhead_ms": 1e3 * measured.overhead_s,
         "optimizer_ms": 1e3 * measured.optimizer_s,
+        "sharded_tensor_ms": 1e3 * measured.sharded_tensor_s,
         "gflop_per_image": flops.per_image / 1e9,
     }
     return predicted, calibration
@@ -126,9 +133,11 @@ def _rank_main(rank: int, world: int, port: int, settings: dict, out: str) -> No
         images = torch.randn(batch, 3, size, size)
         targets = torch.randint(0, 10, (batch,))
         rounds: list[dict] = []
-        for _ in range(settings["warmup"] + settings["rounds"]):
+        for index in range(settings["warmup"] + settings["rounds"]):
             seconds = {}
-            for way, (trained, optimizer) in trainers.items():
+            start = index % len(WAYS)  # each way first as often as the others
+            for way in WAYS[start:] + WAYS[:start]:
+                trained, optimizer = trainers[way]
                 dist.barrier()
                 tic = time.perf_counter()
                 _step(trained, optimizer, images, targets)
@@ -153,8 +162,8 @@ def measure_plan_timing(
     """Per way (none, ddp, zero1, fsdp): the measured median step (ms, the
     slowest rank's each round), the predicted one, and each over the step
     without sync (what the collectives add, apart from the compute's
-    calibration); and the calibration (rank 0's figures, the count's and
-    calibration's seconds)."""
+    calibration); the calibration (rank 0's figures, the count's and
+    calibration's seconds); and the machine's load average at the end."""
     settings = {"arch": arch, "image_size": image_size, "batch": batch}
     settings.update(rounds=rounds, warmup=warmup)
     with tempfile.TemporaryDirectory(prefix="distribuuuu-plan-") as work:
@@ -182,7 +191,7 @@ def measure_plan_timing(
     for row in rows.values():  # what the sync adds to a step without it
         row["measured_over_none"] = row["measured_ms"] / rows["none"]["measured_ms"]
         row["predicted_over_none"] = row["predicted_ms"] / rows["none"]["predicted_ms"]
-    return {"ways": rows, "calibration": per_rank[0][2]}
+    return {"ways": rows, "calibration": per_rank[0][2], "load": os.getloadavg()}
 
 
 def format_plan_timing(result: dict) -> str:
@@ -198,8 +207,11 @@ def format_plan_timing(result: dict) -> str:
     lines.append(
         f"alpha {cal['alpha_ms']:.2f} ms, beta {cal['beta_mb_s']:.0f} MB/s, "
         f"{cal['gflop_per_s']:.1f} GFLOP/s + {cal['overhead_ms']:.1f} ms a pass, "
-        f"optimizer {cal['optimizer_ms']:.1f} ms, "
+        f"optimizer {cal['optimizer_ms']:.1f} ms "
+        f"+ {cal['sharded_tensor_ms']:.2f} ms a DTensor, "
         f"{cal['gflop_per_image']:.3f} GFLOP/image "
         f"(counted in {cal['count_s']:.2f} s, calibrated in {cal['calibrate_s']:.2f} s)"
     )
+    if "load" in result:
+        lines.append(f"load average at the end: {result['load'][0]:.1f}")
     return "\n".join(lines)

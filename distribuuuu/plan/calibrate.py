@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from distribuuuu.plan.devices import dense_peak_flops, find_device
 from distribuuuu.plan.flops import ModelFlops
@@ -57,6 +59,7 @@ class Calibration:
     source: str  # "measured" or "paper"
     overhead_s: float = 0.0  # of one forward and backward pass beyond its FLOPs
     optimizer_s: float = 0.0  # of an optimizer step over all the parameters
+    sharded_tensor_s: float = 0.0  # of its step per DTensor parameter (dispatch)
     host: Link | None = None  # device <-> host memory; None on a CPU
     device_type: str = "cpu"  # "cuda": collectives overlap compute
 
@@ -143,6 +146,31 @@ def measure_host_link(
     alpha = _median_s(lambda: small.to(device, non_blocking=True), device, repeats)
     whole = _median_s(lambda: large.to(device, non_blocking=True), device, repeats)
     return Link(alpha, nbytes / max(whole - alpha, 1e-9))
+
+
+def measure_sharded_tensor_s(
+    device: torch.device,
+    optimizer_class: Callable[[list], torch.optim.Optimizer] = torch.optim.AdamW,
+    tensors: int = 8,
+) -> float:
+    """Seconds an optimizer step spends per parameter sharded as a DTensor
+    over the world (as FSDP's are): small tensors, so that DTensor's
+    dispatch is what is timed.  0 without a process group of more than one
+    rank.  A collective (the world's mesh): every rank calls it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0.0
+    size = dist.get_world_size()
+    if size <= 1:
+        return 0.0
+    mesh = init_device_mesh(device.type, (size,))
+    params = []
+    for _ in range(tensors):
+        whole = torch.zeros(64 * size, device=device)
+        param = nn.Parameter(distribute_tensor(whole, mesh, [Shard(0)]))
+        param.grad = distribute_tensor(torch.zeros_like(whole), mesh, [Shard(0)])
+        params.append(param)
+    optimizer = optimizer_class(params)
+    return _median_s(optimizer.step, device, repeats=3) / tensors
 
 
 def measure_peak_flops(
@@ -310,8 +338,14 @@ def calibrate(
     speed = measure_device(
         model, flops, image_size=image_size, device=device, amp_dtype=amp_dtype
     )
-    per_flop, overhead, optimizer = slowest(
-        [1 / speed.efficiency, speed.overhead_s, speed.optimizer_s], device
+    per_flop, overhead, optimizer, sharded = slowest(
+        [
+            1 / speed.efficiency,
+            speed.overhead_s,
+            speed.optimizer_s,
+            measure_sharded_tensor_s(device),
+        ],
+        device,
     )
     world = measure_link(device) or Link(0.0, float("inf"))  # none in one process
     intra = world
@@ -329,6 +363,7 @@ def calibrate(
         source="measured",
         overhead_s=overhead,
         optimizer_s=optimizer,
+        sharded_tensor_s=sharded,
         host=measure_host_link(device),
         device_type=device.type,
     )

@@ -91,6 +91,10 @@ class Workload:
     # Seconds of the optimizer's step over all the parameters on one device;
     # a rank steps its share of them.
     optimizer_s: float = 0.0
+    # Seconds the optimizer's step spends per parameter tensor that is a
+    # DTensor (FSDP's shards, tensor-parallel blocks): DTensor's dispatch,
+    # whatever the tensor's size.
+    sharded_tensor_s: float = 0.0
 
     @classmethod
     def of(
@@ -387,17 +391,20 @@ def pipeline_cost(plan: Plan, work: Workload, cluster: Cluster) -> StepCost:
     return StepCost(compute + bubble + comm, compute, comm, bubble)
 
 
-def _optimizer_share(plan: Plan) -> float:
-    """The share of the parameters whose optimizer step one rank takes: its
-    tensor-parallel share, and of those its shard where the optimizer state
-    is sharded (zero1, fsdp, DeepSpeed over the replicas; hsdp within its
-    shard group)."""
+def _optimizer_step_s(plan: Plan, work: Workload) -> float:
+    """Seconds of one rank's optimizer step: its share of the parameters
+    (its tensor-parallel share, and of those its shard where the optimizer
+    state is sharded: zero1, fsdp, DeepSpeed over the replicas, hsdp within
+    its shard group), and DTensor's dispatch for each tensor that is one."""
     share = 1 / _degree(plan.tensor_parallel)
     if plan.strategy == "hsdp":
-        return share / _degree(plan.shard_size)
-    if plan.strategy in ("zero1", "fsdp", "deepspeed"):
-        return share / plan.data_parallel
-    return share
+        share /= _degree(plan.shard_size)
+    elif plan.strategy in ("zero1", "fsdp", "deepspeed"):
+        share /= plan.data_parallel
+    sharded = plan.strategy in ("fsdp", "hsdp") and plan.data_parallel > 1
+    split = _degree(plan.tensor_parallel) > 1
+    dtensors = work.flops.parameter_tensors if sharded or split else 0
+    return work.optimizer_s * share + dtensors * work.sharded_tensor_s
 
 
 def step_cost(plan: Plan, work: Workload, cluster: Cluster) -> StepCost:
@@ -413,7 +420,7 @@ def step_cost(plan: Plan, work: Workload, cluster: Cluster) -> StepCost:
     tp = _degree(plan.tensor_parallel)
     per_image, backward = _per_image_flops(work.flops, plan.act_ckpt, tp)
     one_pass = cluster.overhead_s + per_image * plan.micro_batch / cluster.flops_per_s
-    compute = plan.accum_steps * one_pass + work.optimizer_s * _optimizer_share(plan)
+    compute = plan.accum_steps * one_pass + _optimizer_step_s(plan, work)
     backward_s = backward * plan.micro_batch / cluster.flops_per_s
     step = _Step(plan, work, cluster, compute, backward_s)
     comm = COLLECTIVES[plan.strategy](step) + _tensor_parallel_s(step)

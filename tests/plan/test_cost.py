@@ -195,6 +195,17 @@ def test_collectives_are_counted_one_by_one():
     assert zero1 - ddp == pytest.approx(2e-3 * VIT_B.parameter_tensors)
 
 
+def test_sharded_optimizer_steps_pay_dtensor_dispatch_per_tensor():
+    """FSDP steps a shard of each parameter, but each is a DTensor whose
+    dispatch costs per tensor: 1 ms a tensor on top of half the step."""
+    free = cluster(1, 2, intra=Link(0.0, float("inf")))
+    work = Workload(VIT_B, optimizer_s=0.2, sharded_tensor_s=1e-3)
+    plain = step_cost(TimedPlan("ddp", 1, 32), work, free)
+    fsdp = step_cost(TimedPlan("fsdp", 2, 32), work, free)
+    expected = -0.2 / 2 + VIT_B.parameter_tensors * 1e-3
+    assert fsdp.step_s - plain.step_s == pytest.approx(expected)
+
+
 def test_an_unknown_strategy_is_refused():
     with pytest.raises(ValueError, match="no cost model for strategy 'dp'"):
         step_cost(TimedPlan("dp", 2, 32), Workload(VIT_B), cluster())
