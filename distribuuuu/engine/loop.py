@@ -72,8 +72,6 @@ def train_epoch(
     loss_fn = build_train_loss(spec.loss)
     status = TrainStatus(spec.log, state, first, total) if live_console() else None
     batches: Iterator = iter(loader)
-    if spec.profile is not None and state.flops is not None:
-        state.flops.count_once()  # before a profiler starts: not in its trace
     profiler = StepProfiler.for_epoch(spec.profile, state, total - first)  # or None
     if profiler:
         batches = profiler.watch(batches)

@@ -136,11 +136,14 @@ class StepProfiler:
         cls, spec: ProfileSpec | None, state: TrainState, steps_left: int
     ) -> StepProfiler | None:
         """The profiler of the epoch about to train: None unless ``spec``
-        profiles some steps and no step of this launch has run yet."""
+        profiles some steps and no step of this launch has run yet.  The MFU
+        meter counts the model's FLOPs first, outside the trace."""
         clock = state.clock
         first_epoch = clock.done_iters == clock.start_iters
         if spec is None or spec.steps <= 0 or not first_epoch or steps_left <= 0:
             return None
+        if state.flops is not None:  # counted before it starts: not in its trace
+            state.flops.count_once()
         return cls(spec, state.device, du.get_rank(), steps_left)
 
     def watch(self, batches: Iterator) -> Iterator:
