@@ -201,24 +201,27 @@ def _left_as_it_was(model: nn.Module, device: torch.device) -> Iterator[None]:
             param.grad = None
 
 
-def _pass_seconds(
+def _train_pass(
     model: nn.Module,
     batch: int,
     image_size: int,
     device: torch.device,
     amp_dtype: torch.dtype | None,
-) -> float:
-    """Seconds of one forward and backward pass of ``batch`` random images,
-    after a warm-up pass (cuDNN's autotuning, the allocator)."""
+) -> Callable[[], float]:
+    """A function that runs one forward and backward pass of ``batch``
+    random images and returns its seconds."""
     images = torch.randn(batch, 3, image_size, image_size, device=device)
     on = amp_dtype is not None
 
-    def train_pass() -> None:
+    def timed() -> float:
+        tic = time.perf_counter()
         with torch.autocast(device.type, amp_dtype, enabled=on):
             loss = model(images).float().sum()
         loss.backward()
+        _synchronize(device)
+        return time.perf_counter() - tic
 
-    return _median_s(train_pass, device, repeats=1)
+    return timed
 
 
 def measure_model_speed(
@@ -233,23 +236,28 @@ def measure_model_speed(
 ) -> tuple[float, float]:
     """The FLOP/s ``model`` (plain, on ``device``) achieves in its forward
     and backward passes, and the seconds a pass takes beyond its FLOPs: the
-    line through the times of one pass at each of the two ``batches``
-    (``flops_per_image`` FLOPs an image).  Where the smaller batch's pass
-    takes more than ``budget_s``, the model is large for the device and that
-    pass alone gives its speed (no overhead).  The model is left as it was."""
+    line through the fastest of two passes at each of the two ``batches``
+    (``flops_per_image`` FLOPs an image), after a warm-up pass at each (the
+    allocator, cuDNN's autotuning).  Where a pass of the smaller batch takes
+    more than ``budget_s``, the model is large for the device and that batch
+    alone gives its speed (no overhead).  The model is left as it was."""
     small, large = batches
     was_training = model.training
     with _left_as_it_was(model, device):
         model.train()
         try:
-            t_small = _pass_seconds(model, small, image_size, device, amp_dtype)
-            t_large = 0.0
-            if t_small <= budget_s:
-                t_large = _pass_seconds(model, large, image_size, device, amp_dtype)
+            passes = [
+                _train_pass(model, batch, image_size, device, amp_dtype)
+                for batch in batches
+            ]
+            if passes[0]() > budget_s:
+                return flops_per_image * small / passes[0](), 0.0
+            passes[1]()
+            t_small, t_large = (min(run() for _ in range(2)) for run in passes)
         finally:
             model.train(was_training)
     per_image = (t_large - t_small) / (large - small)
-    if per_image <= 0:  # a large model, or too noisy to tell: all of it compute
+    if per_image <= 0:  # too noisy to tell: all of it is compute
         per_image, overhead = max(t_large / large, t_small / small), 0.0
     else:
         overhead = max(t_small - per_image * small, 0.0)
