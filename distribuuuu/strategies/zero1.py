@@ -8,6 +8,7 @@ Checkpoints hold the whole optimizer state, consolidated on rank 0.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -34,10 +35,21 @@ def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     sharded = ZeroRedundancyOptimizer(
         [dict(group) for group in optimizer.param_groups],
         optimizer_class=type(optimizer),
-        **optimizer.defaults,
+        **constructor_options(optimizer),
     )
     logger.info("ZeRO-1: optimizer state sharded over %d ranks", du.get_world_size())
     return sharded
+
+
+def constructor_options(optimizer: torch.optim.Optimizer) -> dict:
+    """The hyper-parameters that build ``optimizer`` again: its defaults that
+    its class's constructor takes (torch's AdamW records
+    ``decoupled_weight_decay`` among its defaults but refuses it as an
+    argument)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
 @register

@@ -87,11 +87,33 @@ def _train_every_case(rank: int, world: int) -> dict:
     return {"/".join(map(str, key)): value for key, value in runs.items()}
 
 
+def _zero1_adamw_step(rank: int, world: int) -> dict:
+    """Two AdamW steps of a linear layer, sharded by ZeRO-1 and plain."""
+    del rank, world
+    weights = []
+    for sharded in (True, False):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, weight_decay=0.1)
+        if sharded:
+            optimizer = shard_optimizer(optimizer)
+        for _ in range(2):
+            layer(torch.ones(2, 4)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        weights.append(layer.weight.detach().clone())
+    return {"sharded": weights[0], "plain": weights[1]}
+
+
 def _on_two_ranks(rank: int, world: int) -> dict:
     """:func:`_train_every_case` and :func:`_shard_models_of_different_seeds`
     in one process group; a part that raised keeps its traceback (its tests
     fail with it, the other part's get their answers)."""
-    parts = {"train": _train_every_case, "shard": _shard_models_of_different_seeds}
+    parts = {
+        "train": _train_every_case,
+        "shard": _shard_models_of_different_seeds,
+        "adamw": _zero1_adamw_step,
+    }
     results = {}
     for name, part in parts.items():
         try:
@@ -379,3 +401,11 @@ def test_timm_switch_for_models_without_running_statistics(
     assert len(on) == switched
     if warning:
         assert warning in caplog.text
+
+
+@pytest.mark.slow
+def test_zero1_shards_adamw_and_steps_as_adamw_does(two_ranks):
+    """torch's AdamW records an argument among its defaults that it refuses
+    (decoupled_weight_decay): ZeRO-1 rebuilds it all the same."""
+    for result in _part(two_ranks, "adamw"):
+        torch.testing.assert_close(result["sharded"], result["plain"])
