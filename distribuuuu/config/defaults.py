@@ -457,6 +457,11 @@ _C.DIST.DEEPSPEED.NVME_PATH = ""
 # what we have no key for (e.g. overlap_comm); a value that contradicts one of
 # our keys, or an optimizer or scheduler section, is an error
 _C.DIST.DEEPSPEED.CONFIG = ""
+# The planner (tools/plan.py; DIST.STRATEGY auto to come): what it may choose
+_C.DIST.AUTO = CfgNode()
+# Share of a device's memory a plan may fill: a candidate whose predicted peak
+# per rank exceeds HEADROOM x the device's memory is dropped
+_C.DIST.AUTO.HEADROOM = 0.9
 
 # ---------------------------------------------------------------------------- #
 # Checkpoints

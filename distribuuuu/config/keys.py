@@ -194,6 +194,7 @@ RANGES = {
     "DIST.HSDP.SHARD_SIZE": _at_least(0, " (0 = the processes per node)"),
     "DIST.STOP_CHECK_STEPS": _at_least(1),
     "DIST.PIPELINE.STAGES": _at_least(2),
+    "DIST.AUTO.HEADROOM": _within("(0, 1]"),
     "DIST.PIPELINE.MICROBATCHES": _at_least(0, " (0 = 2 x STAGES)"),
     "DIST.PIPELINE.VIRTUAL_STAGES": _at_least(1),
     "CHECKPOINT.PERIOD": _at_least(1),
