@@ -279,20 +279,25 @@ def plan(
 
 def format_table(result: PlanResult) -> str:
     """The candidates as a table, and the choice with its reason."""
-    header = (
-        f"{'candidate':<70} {'memory MiB':>10} {'step s':>9} {'comm s':>9}  verdict"
-    )
-    lines = [header]
-    for scored in result.candidates:
-        if scored.refused:
-            name = describe(scored.candidate).split(", micro-batch")[0]
-        else:
-            name = describe(scored.candidate)
+    names = [
+        describe(s.candidate).split(", micro-batch")[0]
+        if s.refused
+        else describe(s.candidate)
+        for s in result.candidates
+    ]
+    width = max(len("candidate"), *(len(name) for name in names)) + 1
+    lines = [
+        f" {'candidate':<{width}}{'memory MiB':>10} {'step s':>9} {'comm s':>9}  "
+        "verdict"
+    ]
+    for scored, name in zip(result.candidates, names):
         memory = "-" if scored.memory_mib is None else f"{scored.memory_mib:.0f}"
         step = "-" if scored.step_s is None else f"{scored.step_s:.4g}"
         comm = "-" if scored.comm_s is None else f"{scored.comm_s:.4g}"
         verdict = "fits" if scored.feasible else scored.reason
         mark = "*" if scored is result.chosen else " "
-        lines.append(f"{mark}{name:<69} {memory:>10} {step:>9} {comm:>9}  {verdict}")
+        lines.append(
+            f"{mark}{name:<{width}}{memory:>10} {step:>9} {comm:>9}  {verdict}"
+        )
     lines.append(f"chosen: {result.why}")
     return "\n".join(lines)
