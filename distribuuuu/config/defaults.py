@@ -407,14 +407,6 @@ _C.DIST.STRATEGY = "ddp"
 # FSDP and HSDP only: keep the sharded parameters and gradients in host memory
 # (the optimizer step runs on the CPU)
 _C.DIST.FSDP_CPU_OFFLOAD = False
-# Hybrid sharding (DIST.STRATEGY hsdp): each group of SHARD_SIZE neighbouring
-# ranks shards one copy of the model (gathers stay within it); the groups keep
-# identical copies (gradients all-reduced across them)
-_C.DIST.HSDP = CfgNode()
-# Processes per shard group; it must divide the world size. 0 = the processes
-# per node as launched (torchrun's --nproc_per_node, --num-procs, Slurm's tasks
-# per node)
-_C.DIST.HSDP.SHARD_SIZE = 0
 # Tensor parallelism: split each transformer block over this many ranks
 # (Megatron's column/row-parallel attention and MLP; vit_tiny_patch4 and
 # torchvision's vit_*), with DIST.STRATEGY ddp or fsdp over the replicas. The
@@ -423,6 +415,14 @@ _C.DIST.TENSOR_PARALLEL = 1
 # With DIST.TENSOR_PARALLEL: the norms work on each rank's share of the tokens
 # (sequence parallelism); TENSOR_PARALLEL must divide the tokens
 _C.DIST.SEQUENCE_PARALLEL = False
+# Hybrid sharding (DIST.STRATEGY hsdp): each group of SHARD_SIZE neighbouring
+# ranks shards one copy of the model (gathers stay within it); the groups keep
+# identical copies (gradients all-reduced across them)
+_C.DIST.HSDP = CfgNode()
+# Processes per shard group; it must divide the world size. 0 = the processes
+# per node as launched (torchrun's --nproc_per_node, --num-procs, Slurm's tasks
+# per node)
+_C.DIST.HSDP.SHARD_SIZE = 0
 # Pipeline parallelism (DIST.STRATEGY pipeline), with torch.distributed.pipelining.
 # The processes of one pipeline share one batch: TRAIN.BATCH_SIZE counts per
 # pipeline, and BatchNorm sees micro-batches (as in GPipe)
