@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import urllib.request
 
 import pytest
@@ -266,6 +267,18 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> N
         # Device meshes keep gloo groups alive past exit, which can abort the
         # finished process (see distribuuuu.dist.group.release_groups).
         release_groups()
+
+
+def run_parts(parts: dict) -> dict:
+    """Each part's result by name; a part that raised keeps its traceback
+    instead, so that its tests fail with it and the others get answers."""
+    results = {}
+    for name, part in parts.items():
+        try:
+            results[name] = part()
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
 
 
 def run_on_ranks(world: int, fn, args: tuple, out_dir: str) -> list:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import traceback
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from helpers import (
     call_main,
     read_metrics,
     run_on_ranks,
+    run_parts,
     torchrun,
     train_net,
 )
@@ -335,13 +335,7 @@ def _on_two_ranks(rank: int, world: int, out_dir: str) -> dict:
         "drop path, sequence parallel": lambda: _drop_path_steps(rank, True),
         "draws": lambda: _draws_after_sharing(rank, world),
     }
-    results = {}
-    for name, part in parts.items():
-        try:
-            results[name] = part()
-        except Exception:
-            results[name] = traceback.format_exc()
-    return results
+    return run_parts(parts)
 
 
 @pytest.fixture(scope="module")

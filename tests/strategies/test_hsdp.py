@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import traceback
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from helpers import (
     refused,
     run_on_ranks,
+    run_parts,
     sigkill_then_rerun_matches_uninterrupted,
     strategy_for,
 )
@@ -140,13 +140,7 @@ def _on_four_ranks(rank: int, world: int, out: str) -> dict:
             "ddp->hsdp": _resumed(_saved(runs["ddp"], out, "ckpt_ep_0004"), "hsdp"),
         },
     }
-    results = {}
-    for name, part in parts.items():
-        try:
-            results[name] = part()
-        except Exception:
-            results[name] = traceback.format_exc()
-    return results
+    return run_parts(parts)
 
 
 @pytest.fixture(scope="module")
