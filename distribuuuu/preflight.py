@@ -81,14 +81,13 @@ def check_weights(
 
 
 def check_launch(cfg: CfgNode, num_procs: int = 1) -> None:
-    """Refuse a launch that cannot work; raise ConfigError.
-
-    srun forgotten in a batch script, DEVICE cuda without CUDA, or more
-    processes on a node than GPUs for them (``num_procs``: --num-procs).
-    """
+    """Refuse a launch that cannot work (srun forgotten in a batch script,
+    DEVICE cuda without CUDA, more processes on a node than GPUs for them;
+    ``num_procs``: --num-procs); raise ConfigError."""
     import torch
 
     from distribuuuu.dist.group import detect_launch, gpu_index
+    from distribuuuu.engine.specs import strategy_spec
     from distribuuuu.errors import LaunchError
     from distribuuuu.strategies import strategy_class
 
@@ -105,10 +104,11 @@ def check_launch(cfg: CfgNode, num_procs: int = 1) -> None:
     try:
         info = detect_launch()
         on_gpus = cfg.DEVICE != "cpu" and torch.cuda.is_available()
-        if on_gpus and strategy_class(cfg.DIST.STRATEGY).one_device_per_process:
+        one_each = strategy_class(strategy_spec(cfg).name).one_device_per_process
+        if on_gpus and one_each:
             local_world = num_procs if num_procs > 1 else info.local_world_size
-            visible = torch.cuda.device_count()
-            gpu_index(info.local_rank, local_world, visible, info.node_gpus)
+            gpus = torch.cuda.device_count()
+            gpu_index(info.local_rank, local_world, gpus, info.node_gpus)
     except LaunchError as error:
         raise ConfigError(str(error)) from error
 

@@ -402,7 +402,9 @@ _C.DIST.STOP_CHECK_STEPS = 20
 # DIST.PIPELINE.STAGES stages, one per process, micro-batches flowing through
 # them; data parallel over the remaining factor of the world size) | deepspeed
 # (DeepSpeed's engine with ZeRO DIST.DEEPSPEED.ZERO_STAGE; pip install -e
-# '.[deepspeed]')
+# '.[deepspeed]') | auto (the planner measures this machine at start-up, then
+# picks the strategy, TRAIN.BATCH_SIZE, TRAIN.ACCUM_STEPS and MODEL.ACT_CKPT
+# that keep the global batch of ddp; config.yaml records them; docs/planner.md)
 _C.DIST.STRATEGY = "ddp"
 # FSDP and HSDP only: keep the sharded parameters and gradients in host memory
 # (the optimizer step runs on the CPU)
@@ -457,7 +459,7 @@ _C.DIST.DEEPSPEED.NVME_PATH = ""
 # what we have no key for (e.g. overlap_comm); a value that contradicts one of
 # our keys, or an optimizer or scheduler section, is an error
 _C.DIST.DEEPSPEED.CONFIG = ""
-# The planner (tools/plan.py; DIST.STRATEGY auto to come): what it may choose
+# The planner (DIST.STRATEGY auto, tools/plan.py): what it may choose
 _C.DIST.AUTO = CfgNode()
 # Share of a device's memory a plan may fill: a candidate whose predicted peak
 # per rank exceeds HEADROOM x the device's memory is dropped

@@ -15,7 +15,7 @@ from yacs.config import CfgNode
 from distribuuuu.data.worker_server import start_worker_server
 from distribuuuu.dist import group as du
 from distribuuuu.engine.run_lock import agree_out_dir_free
-from distribuuuu.engine.specs import run_precision, strategy_spec
+from distribuuuu.engine.specs import AUTO_STRATEGY, run_precision, strategy_spec
 from distribuuuu.logger import setup_logging
 from distribuuuu.strategies import strategy_class
 
@@ -53,7 +53,9 @@ def run_context(
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     spec = strategy_spec(cfg)
-    host_collectives = strategy_class(spec.name).cpu_collectives(spec)
+    # auto may choose fsdp, whose DIST.FSDP_CPU_OFFLOAD needs gloo beside nccl
+    auto = cfg.DIST.STRATEGY == AUTO_STRATEGY and cfg.DIST.FSDP_CPU_OFFLOAD
+    host_collectives = auto or strategy_class(spec.name).cpu_collectives(spec)
     info, device = du.setup_distributed(
         cfg.DIST.BACKEND,
         cfg.DEVICE,

@@ -302,6 +302,13 @@ def schedule_spec(cfg: CfgNode) -> ScheduleSpec:
 # --------------------------------------------------------------------------- #
 
 
+# DIST.STRATEGY auto (distribuuuu.plan.auto) resolves to a strategy once the
+# process group is joined.  Before that it is checked as ddp: the same global
+# batch, one device per process, nothing refused (the planner respects what
+# each strategy refuses).
+AUTO_STRATEGY, BEFORE_THE_PLAN = "auto", "ddp"
+
+
 def strategy_spec(
     cfg: CfgNode,
     device: torch.device | None = None,
@@ -316,7 +323,7 @@ def strategy_spec(
     dist, model, pipe = cfg.DIST, cfg.MODEL, cfg.DIST.PIPELINE
     optimizer = optimizer_spec(cfg)
     return StrategySpec(
-        name=dist.STRATEGY,
+        name=BEFORE_THE_PLAN if dist.STRATEGY == AUTO_STRATEGY else dist.STRATEGY,
         device=device,
         precision=precision or cfg.TRAIN.MIXED_PRECISION,
         amp_dtype=amp_dtype,

@@ -27,7 +27,6 @@ from distribuuuu.data import (
     build_normalizer,
     build_test_loader,
     build_train_loader,
-    describe_decoder,
 )
 from distribuuuu.data.spec import Loader
 from distribuuuu.dist import group as du
@@ -37,18 +36,23 @@ from distribuuuu.engine.best import keep_best
 from distribuuuu.engine.evaluation import evaluate, evaluate_epoch, weights_to_evaluate
 from distribuuuu.engine.loop import StopRequest, end_stopped_run, train_epoch
 from distribuuuu.engine.resume import resume_or_load, save_training_checkpoint
-from distribuuuu.engine.run_log import log_checkpoint_evaluation, log_training_images
+from distribuuuu.engine.run_log import (
+    log_checkpoint_evaluation,
+    log_training_images,
+    report_start,
+)
 from distribuuuu.engine.session import resolve_seed, run_context, seed_everything
 from distribuuuu.engine.state import BatchPlan, RunClock, TrainState, plan_batches
 from distribuuuu.models import build_configured, build_model, zero_init_residual
 from distribuuuu.models.ema import ModelEma
+from distribuuuu.plan import auto
 from distribuuuu.plan.flops import FlopMeter
 from distribuuuu.reporting import reports
 from distribuuuu.reporting.meters import PeakMemory
 from distribuuuu.reporting.remote_trackers import build_trackers
 from distribuuuu.reporting.trackers import FAILED, FINISHED, KILLED
 from distribuuuu.reporting.writer import MetricsWriter
-from distribuuuu.strategies import build_strategy, strategy_class
+from distribuuuu.strategies import Strategy, build_strategy, strategy_class
 from distribuuuu.strategies.chain import prepare_model, runs_channels_last
 from distribuuuu.strategies.precision import resolve_precision
 
@@ -65,6 +69,8 @@ def train_model(cfg: CfgNode) -> dict:
         run_context(cfg) as (info, device),
         Watchdog(cfg.DATA.TIMEOUT, info.rank) as watchdog,
     ):
+        planned = auto.resolve(cfg, info, device)  # None: not DIST.STRATEGY auto
+        check = auto.PlanCheck(planned, device) if planned else None
         if info.rank == 0:
             write_run_config(cfg, device, info.world_size)
             for path in cp.remove_stale_files(cfg.OUT_DIR):
@@ -77,13 +83,16 @@ def train_model(cfg: CfgNode) -> dict:
         status = FAILED
         try:
             state, train_loader, val_loader = build_train_state(
-                cfg, info, device, writer
+                cfg, info, device, writer, check
             )
             train_loader = watchdog.watch(train_loader, "train")
             val_loader = watchdog.watch(val_loader, "eval")
             stop = StopRequest(cfg.DIST.STOP_CHECK_STEPS)
             try:
-                result = train_epochs(cfg, state, train_loader, val_loader, stop)
+                loaders = (train_loader, val_loader)
+                result = train_epochs(cfg, state, loaders, stop, check)
+                if check:
+                    check.finish()
                 status = KILLED if "stopped_by" in result else FINISHED
                 return result
             except KeyboardInterrupt:  # to be resumed, as a signal's stop
@@ -92,6 +101,8 @@ def train_model(cfg: CfgNode) -> dict:
             finally:
                 stop.restore()
         finally:
+            if check:
+                check.close()
             writer.close(status)
 
 
@@ -107,16 +118,16 @@ def dry_run(cfg: CfgNode) -> dict:
         Watchdog(cfg.DATA.TIMEOUT, info.rank) as watchdog,
     ):
         tic = time.perf_counter()
+        planned = auto.resolve(cfg, info, device, record=False)
+        check = auto.PlanCheck(planned, device) if planned else None
         writer = MetricsWriter(cfg.OUT_DIR, enabled=False)
-        state, train_loader, val_loader = build_train_state(cfg, info, device, writer)
+        state, train_loader, val_loader = build_train_state(
+            cfg, info, device, writer, check
+        )
         train_loader = watchdog.watch(train_loader, "train")
         val_loader = watchdog.watch(val_loader, "eval")
         built = time.perf_counter()
-        # The single step is logged (without the TFLOP/s, whose FLOP count
-        # would add to its time); nothing is written (no profile).
-        state.flops = None
-        one_step = dataclasses.replace(specs.loop_spec(cfg), print_freq=1, profile=None)
-        train_epoch(state, train_loader, one_step, after_step=lambda: True)
+        dry_steps(cfg, state, train_loader, check)
         stepped = time.perf_counter()
         strategy, model = state.strategy, state.model
         spec = specs.run_eval_spec(cfg, state, max_iters=1)
@@ -146,6 +157,23 @@ def dry_run(cfg: CfgNode) -> dict:
         return {**timings, **stats}
 
 
+def dry_steps(
+    cfg: CfgNode, state: TrainState, loader: Loader, check: auto.PlanCheck | None
+) -> None:
+    """The dry run's training: one step, or under DIST.STRATEGY auto the
+    steps its ``check`` needs.  Each is logged (without the TFLOP/s, whose
+    FLOP count would add to its time); nothing is written (no profile)."""
+    state.flops = None
+    each = dataclasses.replace(specs.loop_spec(cfg), print_freq=1, profile=None)
+    try:
+        train_epoch(state, loader, each, check.after_step if check else lambda: True)
+        if check:
+            check.finish()
+    finally:
+        if check:
+            check.close()
+
+
 def write_run_config(cfg: CfgNode, device: torch.device, world_size: int) -> None:
     """Rank 0's record of the run beside its outputs: config.yaml (with the
     precision ``auto`` resolved to) and the strategy's own config files."""
@@ -156,26 +184,22 @@ def write_run_config(cfg: CfgNode, device: torch.device, world_size: int) -> Non
 
 
 def build_train_state(
-    cfg: CfgNode, info: du.LaunchInfo, device: torch.device, writer: MetricsWriter
+    cfg: CfgNode,
+    info: du.LaunchInfo,
+    device: torch.device,
+    writer: MetricsWriter,
+    check: auto.PlanCheck | None = None,
 ) -> tuple[TrainState, Loader, Loader]:
     """Data, model, strategy, optimizer, resume state and loaders of a
-    training run.  Logs the start-up report; all ranks must call it."""
+    training run.  Logs the start-up report; all ranks must call it.
+    ``check``: DIST.STRATEGY auto's, started before the model is prepared."""
     seed = resolve_seed(cfg.RNG_SEED)
     seed_everything(seed + info.rank)
     data = specs.data_spec(cfg)
     train_set = build_dataset(data, train=True)
     val_set = build_dataset(data, train=False)
-    model = build_configured(specs.model_spec(cfg))
-    if cfg.MODEL.ZERO_INIT_RESIDUAL:
-        blocks = zero_init_residual(model)
-        logger.info("residual branches zero-initialised in %d blocks", blocks)
-    size = reports.model_size(model)
-    precision = specs.run_precision(cfg, device)
-    amp_dtype, use_scaler = resolve_precision(precision, device)
-    strategy = build_strategy(
-        specs.strategy_spec(cfg, device, precision=precision, amp_dtype=amp_dtype)
-    )
-    model = prepare_model(strategy, model)
+    model, strategy, size = build_prepared(cfg, device, check)
+    amp_dtype, use_scaler = resolve_precision(strategy.spec.precision, device)
     channels_last = runs_channels_last(strategy)
     optimizer = strategy.build_optimizer(model)
     scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
@@ -206,15 +230,46 @@ def build_train_state(
         classes=list(train_set.classes),
         ema=ema,
         teacher=build_teacher(cfg, device),
-        flops=FlopMeter(
-            specs.model_spec(cfg), cfg.TRAIN.IM_SIZE, strategy.devices(model), amp_dtype
-        ),
+        flops=flop_meter(cfg, strategy.devices(model), amp_dtype, check),
     )
     sizes = {"train_images": len(train_set), "val_images": len(val_set)}
-    report_start(cfg, info, state, size=size, sizes=sizes, start=start)
+    planned = check.planned if check else None
+    report_start(cfg, info, state, size=size, sizes=sizes, start=start, planned=planned)
     if saved is None and writer.enabled:
         log_training_images(writer, train_set, progress.seed)
     return state, train_loader, val_loader
+
+
+def build_prepared(
+    cfg: CfgNode, device: torch.device, check: auto.PlanCheck | None
+) -> tuple[nn.Module, Strategy, dict]:
+    """The model, prepared by the run's strategy (``check`` started just
+    before), the strategy, and the model's size (:func:`reports.model_size`)."""
+    model = build_configured(specs.model_spec(cfg))
+    if cfg.MODEL.ZERO_INIT_RESIDUAL:
+        blocks = zero_init_residual(model)
+        logger.info("residual branches zero-initialised in %d blocks", blocks)
+    size = reports.model_size(model)
+    precision = specs.run_precision(cfg, device)
+    amp_dtype, _ = resolve_precision(precision, device)
+    strategy = build_strategy(
+        specs.strategy_spec(cfg, device, precision=precision, amp_dtype=amp_dtype)
+    )
+    if check:
+        check.start(model)
+    return prepare_model(strategy, model), strategy, size
+
+
+def flop_meter(
+    cfg: CfgNode,
+    devices: list[torch.device],
+    amp_dtype: torch.dtype | None,
+    check: auto.PlanCheck | None,
+) -> FlopMeter:
+    """The TFLOP/s and MFU of the run's windows (on a CPU, against the peak
+    that DIST.STRATEGY auto calibrated; none without it)."""
+    peak = check.planned.peak_flops if check else None
+    return FlopMeter(specs.model_spec(cfg), cfg.TRAIN.IM_SIZE, devices, amp_dtype, peak)
 
 
 def run_batch_plan(cfg: CfgNode, replicas: int, saved: SavedRun | None) -> BatchPlan:
@@ -264,61 +319,6 @@ def build_teacher(cfg: CfgNode, device: torch.device) -> nn.Module | None:
     return teacher.to(device).eval()
 
 
-def report_start(
-    cfg: CfgNode,
-    info: du.LaunchInfo,
-    state: TrainState,
-    *,
-    size: dict,
-    sizes: dict,
-    start: str,
-) -> None:
-    """Log, record and show in tensorboard what the run is about to do.
-
-    ``size``: the model's size (:func:`reports.model_size`); ``sizes``: the
-    number of training and validation images; ``start``: what the run starts
-    from, in words.
-    """
-    plan, progress = state.plan, state.progress
-    report = {
-        "versions": reports.versions(),
-        "world": reports.world_layout(info, state.device),
-        "data": {
-            "name": cfg.DATA.NAME,
-            **sizes,
-            "class_names": state.classes,
-            "decoder": describe_decoder(specs.data_spec(cfg)),
-        },
-        "model": {"arch": cfg.MODEL.ARCH, "syncbn": cfg.MODEL.SYNCBN, **size},
-        "batch": {
-            "per_rank": plan.per_rank,
-            "accum": plan.accum,
-            "world_size": plan.world_size,
-            "global": plan.global_batch,
-        },
-        "memory": fullest(state.strategy.memory_mb(state.model)),
-        "lr": cfg.OPTIM.BASE_LR * plan.lr_scale,
-        "lr_policy": cfg.OPTIM.LR_POLICY,
-        "strategy": state.strategy.describe(state.model),
-        "precision": "none"
-        if state.amp_dtype is None
-        else str(state.amp_dtype).split(".")[-1],
-        "seed": f"{progress.seed}" + " (picked at random)" * (cfg.RNG_SEED is None),
-        "start": start,
-    }
-    text = reports.format_startup(report)
-    logger.info("%s", text)
-    state.writer.write({"split": "start", **report})
-    state.writer.text("run/start", "    " + text.replace("\n", "\n    "))
-
-
-def fullest(memory: dict) -> dict:
-    """Each figure of ``memory`` (MiB on this process) at its largest over the
-    processes; a collective."""
-    every = du.all_gather_object(memory)
-    return {key: max(part[key] for part in every) for key in memory}
-
-
 def build_loaders(
     cfg: CfgNode,
     datasets: tuple[ImageDataset, ImageDataset],
@@ -358,12 +358,13 @@ def check_loader(loader: Loader, plan) -> None:
 def train_epochs(
     cfg: CfgNode,
     state: TrainState,
-    train_loader: Loader,
-    val_loader: Loader,
+    loaders: tuple[Loader, Loader],
     stop: StopRequest,
+    check: auto.PlanCheck | None = None,
 ) -> dict:
     """The epoch loop of :func:`train_model`: train, evaluate, keep the best
-    weights, save."""
+    weights, save.  ``loaders``: training and validation; ``check``: DIST.STRATEGY
+    auto's, told of every step."""
     progress, period = state.progress, cfg.CHECKPOINT.PERIOD_ITERS
     precision = state.strategy.spec.precision
     loop, save = specs.loop_spec(cfg), specs.save_spec(cfg, precision)
@@ -371,6 +372,8 @@ def train_epochs(
 
     def after_step() -> bool:
         nonlocal stopped_by
+        if check:
+            check.after_step()
         stopped_by = stop.agreed(state.clock.done_iters)
         if stopped_by or (period and state.clock.done_iters % period == 0):
             save_training_checkpoint(save, state)
@@ -380,7 +383,7 @@ def train_epochs(
     memory = PeakMemory(state.strategy.devices(state.model))
     while progress.epoch < cfg.OPTIM.MAX_EPOCH:
         memory.reset()  # the training epoch's own peak, not the run's
-        if train_epoch(state, train_loader, loop, after_step):
+        if train_epoch(state, loaders[0], loop, after_step):
             return end_stopped_run(stopped_by, requeue=cfg.DIST.REQUEUE)
         # Samples trained in the epoch (over restarts, if any) and its peak.
         epoch: dict[str, Any] = {
@@ -388,7 +391,6 @@ def train_epochs(
             "train_peak": memory.read(),
         }
         progress.epoch, progress.consumed = progress.epoch + 1, 0
-        loaders = (train_loader, val_loader)
         stats = evaluate_and_keep_best(cfg, state, loaders, **epoch)
         if state.ema is not None:
             with state.ema.swapped_in():

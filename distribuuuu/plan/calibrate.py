@@ -238,9 +238,9 @@ def measure_model_speed(
     and backward passes, and the seconds a pass takes beyond its FLOPs: the
     line through the fastest of two passes at each of the two ``batches``
     (``flops_per_image`` FLOPs an image), after a warm-up pass at each (the
-    allocator, cuDNN's autotuning).  Where a pass of the smaller batch takes
-    more than ``budget_s``, the model is large for the device and that batch
-    alone gives its speed (no overhead).  The model is left as it was."""
+    allocator, cuDNN's autotuning).  Where a warm pass of the smaller batch
+    takes more than ``budget_s``, the model is large for the device and that
+    batch alone gives its speed (no overhead).  The model is left as it was."""
     small, large = batches
     was_training = model.training
     with _left_as_it_was(model, device):
@@ -250,8 +250,9 @@ def measure_model_speed(
                 _train_pass(model, batch, image_size, device, amp_dtype)
                 for batch in batches
             ]
-            if passes[0]() > budget_s:
-                return flops_per_image * small / passes[0](), 0.0
+            passes[0]()  # warm-up: the allocator, oneDNN's or cuDNN's choices
+            if (first := passes[0]()) > budget_s:
+                return flops_per_image * small / first, 0.0
             passes[1]()
             t_small, t_large = (min(run() for _ in range(2)) for run in passes)
         finally:

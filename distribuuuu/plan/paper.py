@@ -17,7 +17,7 @@ from distribuuuu.config.keys import get_key
 from distribuuuu.engine.specs import loss_spec, model_spec, strategy_spec
 from distribuuuu.errors import ConfigError
 from distribuuuu.models import build_configured
-from distribuuuu.plan.calibrate import paper_calibration
+from distribuuuu.plan.calibrate import Calibration, paper_calibration
 from distribuuuu.plan.candidate import RunFacts
 from distribuuuu.plan.cost import Workload
 from distribuuuu.plan.devices import find_device
@@ -151,7 +151,20 @@ class PaperRun:
             )
         except ValueError as error:
             raise ConfigError(str(error)) from error
-        cluster = calibration.cluster(machine.nodes, machine.procs_per_node)
+        return self.machine_of(
+            calibration, machine.nodes, machine.procs_per_node, memory_mib
+        )
+
+    def machine_of(
+        self,
+        calibration: Calibration,
+        nodes: int,
+        procs_per_node: int,
+        memory_mib: float,
+    ) -> Machine:
+        """``nodes`` x ``procs_per_node`` devices of ``memory_mib`` each, with
+        ``calibration``'s figures (on paper, or measured by ``auto``)."""
+        cluster = calibration.cluster(nodes, procs_per_node)
         workload = Workload.of(
             self.flops,
             self.amp_dtype,
@@ -162,13 +175,16 @@ class PaperRun:
         )
         return Machine(cluster, memory_mib, self.cfg.DIST.AUTO.HEADROOM, workload)
 
-    def plan(self, machine: PaperMachine) -> PlanResult:
+    def plan(self, machine: PaperMachine | Machine) -> PlanResult:
         """The plan on ``machine``: the global batch of plain ddp on its
         world, DIST.AUTO.HEADROOM of its memory."""
-        world = machine.nodes * machine.procs_per_node
+        if isinstance(machine, PaperMachine):
+            machine = self.machine(machine)
+        cluster = machine.cluster
+        world = cluster.nodes * cluster.procs_per_node
         train = self.cfg.TRAIN
         global_batch = train.BATCH_SIZE * train.ACCUM_STEPS * world
-        return plan(self.run, self.memory, self.machine(machine), global_batch)
+        return plan(self.run, self.memory, machine, global_batch)
 
 
 def plan_on_paper(cfg: CfgNode, machine: PaperMachine) -> PlanResult:

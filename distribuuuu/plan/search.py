@@ -38,6 +38,8 @@ PREFERENCE_WINDOW = 0.05
 # Simpler first; a candidate with tensor parallelism ranks after all of
 # these, a pipeline after that.
 SIMPLER_FIRST = ("ddp", "zero1", "fsdp", "hsdp", "deepspeed")
+# The rows of a folded table (the start-up report's).
+FOLDED_ROWS = 8
 SKIPPED = "not estimated: its step is slower than the chosen plan's window"
 
 
@@ -277,20 +279,37 @@ def plan(
     return PlanResult(everything, chosen, why, machine.limit_mib)
 
 
-def format_table(result: PlanResult) -> str:
-    """The candidates as a table, and the choice with its reason."""
+def format_table(result: PlanResult, fold: bool = False) -> str:
+    """The candidates as a table, and the choice with its reason.  With
+    ``fold`` (the start-up report) the candidates that were not estimated
+    or that their strategy refuses are counted in a line each instead, and
+    only the :data:`FOLDED_ROWS` fastest of the others are shown (and the
+    chosen one)."""
+    rows = list(result.candidates)
+    folded: dict[str, int] = {}
+    if fold:
+        kept = []
+        for scored in rows:
+            if scored.reason == SKIPPED or scored.refused:
+                key = SKIPPED if scored.reason == SKIPPED else "refused by its strategy"
+                folded[key] = folded.get(key, 0) + 1
+            else:
+                kept.append(scored)
+        rows = [s for i, s in enumerate(kept) if i < FOLDED_ROWS or s is result.chosen]
+        if len(kept) > len(rows):
+            folded["weighed, slower or larger than those shown"] = len(kept) - len(rows)
     names = [
         describe(s.candidate).split(", micro-batch")[0]
         if s.refused
         else describe(s.candidate)
-        for s in result.candidates
+        for s in rows
     ]
     width = max(len("candidate"), *(len(name) for name in names)) + 1
     lines = [
         f" {'candidate':<{width}}{'memory MiB':>10} {'step s':>9} {'comm s':>9}  "
         "verdict"
     ]
-    for scored, name in zip(result.candidates, names):
+    for scored, name in zip(rows, names):
         memory = "-" if scored.memory_mib is None else f"{scored.memory_mib:.0f}"
         step = "-" if scored.step_s is None else f"{scored.step_s:.4g}"
         comm = "-" if scored.comm_s is None else f"{scored.comm_s:.4g}"
@@ -299,5 +318,6 @@ def format_table(result: PlanResult) -> str:
         lines.append(
             f"{mark}{name:<{width}}{memory:>10} {step:>9} {comm:>9}  {verdict}"
         )
+    lines.extend(f" ... {n} more: {why}" for why, n in folded.items())
     lines.append(f"chosen: {result.why}")
     return "\n".join(lines)

@@ -149,6 +149,10 @@ def format_startup(report: dict) -> str:
         f"seed {report['seed']}",
         f"  start: {report['start']}",
     ]
+    if "plan" in report:  # DIST.STRATEGY auto's
+        table = report["plan"]["table"] or f"chosen: {report['plan']['why']}"
+        lines.append("  plan (DIST.STRATEGY auto):")
+        lines.extend("    " + line for line in table.splitlines())
     return "\n".join(lines)
 
 
