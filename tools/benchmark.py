@@ -26,6 +26,11 @@ Measurements, printed as a table and written as JSON (``--out``):
   ranks), and its cost per training step with DIST.STOP_CHECK_STEPS, also as
   a share of the measured train step;
 * ``--only pipeline``: GPipe's and 1F1B's bubble (distribuuuu.bench.pipeline_bubble).
+* ``--only plan``: the planner against measurement (docs/planner.md): its
+  memory per rank beside real gloo ranks' peaks for every strategy on 2 and
+  4 ranks (distribuuuu.bench.plan_accuracy), and its step time beside
+  measured steps of no sync, ddp, zero1 and fsdp on 2 ranks x 1 thread
+  (distribuuuu.bench.plan_timing).
 
 The two sides of a measurement alternate, repeat after repeat (the first
 side changes every repeat), so that load from other processes on the machine
@@ -65,6 +70,8 @@ from distribuuuu.bench.overheads import (
     summarize,
 )
 from distribuuuu.bench.pipeline_bubble import format_bubble, measure_bubble
+from distribuuuu.bench.plan_accuracy import format_accuracy, plan_accuracy
+from distribuuuu.bench.plan_timing import format_plan_timing, measure_plan_timing
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_normalizer
 from distribuuuu.data.spec import DataSpec, LoaderSpec
@@ -121,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="tensor,pil",
         help="other DATA.DECODER values measured beside the default ('': none)",
     )
-    add("--only", default="train,data,eval,startup,stop", help="...,pipeline")
+    add("--only", default="train,data,eval,startup,stop", help="...,pipeline,plan")
     add("--short", action="store_true", help="tiny sizes, 2 repeats (smoke test)")
     add("--out", default="benchmark.json", help="JSON file to write")
     args = parser.parse_args(argv)
@@ -414,6 +421,10 @@ def format_table(results: dict) -> str:
     lines.append("img/cs: images per CPU-second of the process and its workers")
     if "pipeline" in results:
         lines.append(format_bubble(results["pipeline"]))
+    if "plan_memory" in results:
+        lines.append(format_accuracy(results["plan_memory"]))
+    if "plan_timing" in results:
+        lines.append(format_plan_timing(results["plan_timing"]))
     return "\n".join(lines)
 
 
@@ -443,6 +454,9 @@ def main(argv: list[str] | None = None) -> dict:
             )
     if "pipeline" in what:
         results["pipeline"] = measure_bubble(repeats=args.repeats)
+    if "plan" in what:
+        results["plan_memory"] = plan_accuracy(worlds=(2,) if args.short else (2, 4))
+        results["plan_timing"] = measure_plan_timing(rounds=3 if args.short else 9)
     report = {
         "settings": {
             **{k: v for k, v in vars(args).items() if k != "out"},
