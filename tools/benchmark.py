@@ -30,7 +30,9 @@ Measurements, printed as a table and written as JSON (``--out``):
   memory per rank beside real gloo ranks' peaks for every strategy on 2 and
   4 ranks (distribuuuu.bench.plan_accuracy), and its step time beside
   measured steps of no sync, ddp, zero1 and fsdp on 2 ranks x 1 thread
-  (distribuuuu.bench.plan_timing).
+  (distribuuuu.bench.plan_timing), and ddp's step on paper beside ddp across
+  two namespaced nodes at 100 Mbit/s and 1 Gbit/s (distribuuuu.bench.plan_links;
+  root only).
 
 The two sides of a measurement alternate, repeat after repeat (the first
 side changes every repeat), so that load from other processes on the machine
@@ -71,6 +73,7 @@ from distribuuuu.bench.overheads import (
 )
 from distribuuuu.bench.pipeline_bubble import format_bubble, measure_bubble
 from distribuuuu.bench.plan_accuracy import format_accuracy, plan_accuracy
+from distribuuuu.bench.plan_links import format_plan_links, plan_links
 from distribuuuu.bench.plan_timing import format_plan_timing, measure_plan_timing
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_normalizer
@@ -425,6 +428,8 @@ def format_table(results: dict) -> str:
         lines.append(format_accuracy(results["plan_memory"]))
     if "plan_timing" in results:
         lines.append(format_plan_timing(results["plan_timing"]))
+    if "plan_links" in results:
+        lines.append(format_plan_links(results["plan_links"]))
     return "\n".join(lines)
 
 
@@ -457,6 +462,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "plan" in what:
         results["plan_memory"] = plan_accuracy(worlds=(2,) if args.short else (2, 4))
         results["plan_timing"] = measure_plan_timing(rounds=3 if args.short else 9)
+        results["plan_links"] = plan_links()
     report = {
         "settings": {
             **{k: v for k, v in vars(args).items() if k != "out"},

@@ -223,12 +223,14 @@ class _Step:
 
 def _ddp_s(step: _Step) -> float:
     """DDP: gradients all-reduced in buckets during the last backward pass
-    (on a CPU, where the compute keeps every core busy, after it); under
-    tensor parallelism, in one all-reduce after it."""
+    (on a CPU within one node, where gloo's copies take the cores that the
+    compute keeps busy, after it; across nodes the wire's time runs beside
+    the backward, as measured over shaped links); under tensor parallelism,
+    in one all-reduce after it."""
     unit_bytes = [u * step.work.param_bytes for u in step.unit_params()]
     if step.tp > 1:
         return all_reduce_s(step.cluster, sum(unit_bytes), step.dp, step.tp)
-    if not step.cluster.overlap:  # gloo's threads take the cores compute needs
+    if not step.cluster.overlap and step.cluster.nodes == 1:
         return ddp_exposed_s(step.cluster, unit_bytes, 0.0, step.dp)
     return ddp_exposed_s(step.cluster, unit_bytes, step.backward_s, step.dp)
 

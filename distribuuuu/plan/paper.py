@@ -14,10 +14,16 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu.config.keys import get_key
+from distribuuuu.dist.group import cpu_threads
 from distribuuuu.engine.specs import loss_spec, model_spec, strategy_spec
 from distribuuuu.errors import ConfigError
 from distribuuuu.models import build_configured
-from distribuuuu.plan.calibrate import Calibration, paper_calibration
+from distribuuuu.plan.calibrate import (
+    Calibration,
+    DeviceSpeed,
+    measure_device,
+    paper_calibration,
+)
 from distribuuuu.plan.candidate import RunFacts
 from distribuuuu.plan.cost import Workload
 from distribuuuu.plan.devices import find_device
@@ -28,6 +34,9 @@ from distribuuuu.plan.tracing import TraceSpec
 from distribuuuu.strategies import spec as features
 
 GIB_IN_MIB = 1024
+# On a CPU, a model up to this many parameters is measured on this machine
+# (seconds); a larger one is priced at the paper efficiency of the CPU's peak.
+MEASURED_PARAMETERS = 100_000_000
 # Appended to a plan's overrides: a plan reads no data, so the data set's
 # folders need not exist where it is made.
 NO_DATA = ["MODEL.DUMMY_INPUT", "True"]
@@ -139,6 +148,7 @@ class PaperRun:
         needs or an unknown device."""
         try:
             memory_mib = machine.memory_mib()
+            speed = self.cpu_speed(machine.procs_per_node) if machine.on_cpu else None
             calibration = paper_calibration(
                 machine.device,
                 nodes=machine.nodes,
@@ -148,12 +158,36 @@ class PaperRun:
                 latency_us=machine.latency_us,
                 amp_dtype=self.amp_dtype,
                 conv_share=self.flops.conv_share,
+                speed=speed,
             )
         except ValueError as error:
             raise ConfigError(str(error)) from error
         return self.machine_of(
             calibration, machine.nodes, machine.procs_per_node, memory_mib
         )
+
+    def cpu_speed(self, procs_per_node: int) -> DeviceSpeed | None:
+        """This machine's CPU measured on the model, with the threads one of
+        ``procs_per_node`` processes gets (:func:`~distribuuuu.dist.group.
+        cpu_threads`); None for a model of more than
+        :data:`MEASURED_PARAMETERS` parameters (its peak at
+        :data:`~distribuuuu.plan.calibrate.PAPER_EFFICIENCY` then)."""
+        if self.flops.parameters > MEASURED_PARAMETERS:
+            return None
+        cpus = len(os.sched_getaffinity(0))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cpu_threads(cpus, procs_per_node, os.environ))
+        try:
+            spec = dataclasses.replace(model_spec(self.cfg), pretrained=False)
+            return measure_device(
+                build_configured(spec),
+                self.flops,
+                image_size=self.cfg.TRAIN.IM_SIZE,
+                device=torch.device("cpu"),
+                amp_dtype=self.amp_dtype,
+            )
+        finally:
+            torch.set_num_threads(threads)
 
     def machine_of(
         self,
