@@ -107,7 +107,8 @@ def train_model(cfg: CfgNode) -> dict:
 
 
 def dry_run(cfg: CfgNode) -> dict:
-    """Build everything, run one training step and one evaluation batch.
+    """Build everything, run one training step (DIST.STRATEGY auto: the five
+    its check needs) and one evaluation batch.
 
     A check of a job before it is queued: every rank runs; a checkpoint to
     resume from is loaded; nothing is written.  Returns the timings (seconds)
@@ -127,7 +128,7 @@ def dry_run(cfg: CfgNode) -> dict:
         train_loader = watchdog.watch(train_loader, "train")
         val_loader = watchdog.watch(val_loader, "eval")
         built = time.perf_counter()
-        dry_steps(cfg, state, train_loader, check)
+        steps = dry_steps(cfg, state, train_loader, check)
         stepped = time.perf_counter()
         strategy, model = state.strategy, state.model
         spec = specs.run_eval_spec(cfg, state, max_iters=1)
@@ -139,12 +140,12 @@ def dry_run(cfg: CfgNode) -> dict:
         memory = max(mb for rank in du.all_gather_object(peaks) for mb in rank)
         timings = {
             "build_s": built - tic,
-            "train_step_s": stepped - built,
+            "train_step_s": (stepped - built) / steps,
             "eval_batch_s": done - stepped,
             "peak_mem_mb": memory,
         }
         logger.info(
-            "dry run passed: built in %.1f s, one training step %.2f s, one "
+            "dry run passed: built in %.1f s, a training step %.2f s, one "
             "evaluation batch %.2f s (top1 %.2f on %d images), peak memory "
             "%.0f MiB per process; nothing was written",
             timings["build_s"],
@@ -159,10 +160,11 @@ def dry_run(cfg: CfgNode) -> dict:
 
 def dry_steps(
     cfg: CfgNode, state: TrainState, loader: Loader, check: auto.PlanCheck | None
-) -> None:
+) -> int:
     """The dry run's training: one step, or under DIST.STRATEGY auto the
     steps its ``check`` needs.  Each is logged (without the TFLOP/s, whose
-    FLOP count would add to its time); nothing is written (no profile)."""
+    FLOP count would add to its time); nothing is written (no profile).
+    Returns how many steps ran."""
     state.flops = None
     each = dataclasses.replace(specs.loop_spec(cfg), print_freq=1, profile=None)
     try:
@@ -172,6 +174,7 @@ def dry_steps(
     finally:
         if check:
             check.close()
+    return check.steps if check else 1
 
 
 def write_run_config(cfg: CfgNode, device: torch.device, world_size: int) -> None:

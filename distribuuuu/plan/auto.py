@@ -183,6 +183,8 @@ def plan_here(cfg: CfgNode, info: du.LaunchInfo, device: torch.device) -> Planne
         amp_dtype=run.amp_dtype,
     )
     del model
+    if device.type == "cuda":  # the run's peak starts from an empty cache
+        torch.cuda.empty_cache()
     nodes = max(1, info.world_size // info.local_world_size)
     answer: Planned | str
     if info.rank == 0:
