@@ -89,6 +89,7 @@ def test_a_plan_record_that_is_a_pipe_or_a_link_does_not_hang(tmp_path):
         auto.recorded_plan(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_two_rank_dry_run_with_auto_prints_its_choice_and_checks_it(tmp_path):
     out_dir = str(tmp_path / "run")
     result = train_net(
@@ -104,6 +105,7 @@ def test_a_two_rank_dry_run_with_auto_prints_its_choice_and_checks_it(tmp_path):
     assert not os.path.exists(out_dir)  # a dry run writes nothing
 
 
+@pytest.mark.slow
 def test_auto_records_its_plan_and_a_resumed_run_reuses_it(tmp_path):
     out_dir = str(tmp_path / "run")
     first = train_net(*TINY, "DIST.STRATEGY", "auto", "OUT_DIR", out_dir)
