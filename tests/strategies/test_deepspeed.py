@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import pytest
 import torch
 from fake_devices import FakeCuda, GpuShyLinear
 from helpers import (
+    TINY_VAL_SIZE,
     TRAIN_NET,
     assert_ok,
+    call_main,
     free_port,
     needs_deepspeed,
     read_metrics,
@@ -42,27 +45,58 @@ DEEPSPEED = ["DIST.STRATEGY", "deepspeed"]
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero3_on_1_and_3_processes_counts_every_val_image_alike(tmp_path):
-    """Global batch 192 as 1 x 192 and 3 x 64: ZeRO-3 evaluates all 1000 images
+    """Global batch 192 as 1 x 192 and 3 x 64: ZeRO-3 evaluates all 101 images
     (uneven over 3 ranks, whose forward passes gather parameters together)
-    and gives the same val loss."""
+    and gives the same val loss (2 steps of 384 synthetic images before)."""
     keys = [*LENET, *DEEPSPEED, "DIST.DEEPSPEED.ZERO_STAGE", "3"]
+    keys += ["DATA.NAME", "synthetic", "DATA.SYNTHETIC_SIZE", f"[384,{TINY_VAL_SIZE}]"]
     one, three = str(tmp_path / "one"), str(tmp_path / "three")
-    assert_ok(train_net(*keys, "TRAIN.BATCH_SIZE", "192", "OUT_DIR", one))
-    assert_ok(torchrun(3, *keys, "TRAIN.BATCH_SIZE", "64", "OUT_DIR", three))
+    # Either may wait for another test's build of DeepSpeed's CPU communication
+    # op (see test_deepspeed_training.py): 300 s ran out there once.
+    one_run = train_net(*keys, "TRAIN.BATCH_SIZE", "192", "OUT_DIR", one, timeout=1200)
+    assert_ok(one_run)
+    assert_ok(
+        torchrun(3, *keys, "TRAIN.BATCH_SIZE", "64", "OUT_DIR", three, timeout=1200)
+    )
     val_one, val_three = read_metrics(one, "val")[-1], read_metrics(three, "val")[-1]
-    assert val_one["samples"] == val_three["samples"] == 1000
+    assert val_one["samples"] == val_three["samples"] == TINY_VAL_SIZE
     assert val_three["loss"] == pytest.approx(val_one["loss"], rel=1e-4)
+
+
+# A checkpoint every 10 steps, the last 2 kept.
+KEEP = ["CHECKPOINT.PERIOD_ITERS", "10", "CHECKPOINT.KEEP", "2"]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """One epoch of LENET on 2 ranks started by DeepSpeed's own launcher
+    (``deepspeed --num_gpus 2``), with :data:`KEEP`: its result, its OUT_DIR
+    (copy it before writing there) and its master port.  The launcher's test,
+    the checkpoint's and the crafted file's share it."""
+    out = str(tmp_path_factory.mktemp("launched") / "run")
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
+    port = free_port()
+    launcher += ["--master_port", str(port)]
+    args = [*LENET, *DEEPSPEED, *KEEP, "OUT_DIR", out]
+    return run_command([*launcher, TRAIN_NET, *args], timeout=1200), out, port
+
+
+def _copy(out: str, tmp_path) -> str:
+    """A copy of the run in ``out`` to write to."""
+    return shutil.copytree(out, str(tmp_path / "run"))
 
 
 @needs_deepspeed
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_checkpoint_of_2_ranks_goes_on_in_1_and_is_read_by_the_tools(tmp_path):
+def test_a_checkpoint_of_2_ranks_goes_on_in_1_and_is_read_by_the_tools(
+    tmp_path, launched
+):
     """On another world size the whole fp32 weights are loaded (the optimizer
     state afresh); --eval-only under ddp and the inspector read the same file."""
-    out = str(tmp_path / "run")
-    keep = ["CHECKPOINT.PERIOD_ITERS", "10", "CHECKPOINT.KEEP", "2"]
-    assert_ok(torchrun(2, *LENET, *DEEPSPEED, *keep, "OUT_DIR", out))
+    result, run, _ = launched
+    assert_ok(result)
+    out = _copy(run, tmp_path)
     first = read_metrics(out, "val")[-1]
     kept = sorted(os.listdir(os.path.join(out, "checkpoints")))
     assert kept == [
@@ -82,7 +116,7 @@ def test_a_checkpoint_of_2_ranks_goes_on_in_1_and_is_read_by_the_tools(tmp_path)
     )
     assert_ok(inspected)
     assert "lenet5" in inspected.stdout
-    more = ["OPTIM.MAX_EPOCH", "2", "TRAIN.AUTO_RESUME", "True", *keep]
+    more = ["OPTIM.MAX_EPOCH", "2", "TRAIN.AUTO_RESUME", "True", *KEEP]
     resumed = train_net(*LENET, *DEEPSPEED, *more, "OUT_DIR", out)
     assert_ok(resumed)
     assert "resuming on 1 processes instead of 2" in resumed.stdout
@@ -97,14 +131,10 @@ def test_a_checkpoint_of_2_ranks_goes_on_in_1_and_is_read_by_the_tools(tmp_path)
 @needs_deepspeed
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_the_deepspeed_launcher_starts_it(tmp_path):
+def test_the_deepspeed_launcher_starts_it(launched):
     """DeepSpeed's own launcher (``deepspeed --num_gpus 2``, which passes
     --local_rank and sets LOCAL_SIZE) is detected, with a CPU thread each."""
-    out = str(tmp_path)
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
-    port = free_port()
-    launcher += ["--master_port", str(port)]
-    result = run_command([*launcher, TRAIN_NET, *LENET, *DEEPSPEED, "OUT_DIR", out])
+    result, out, port = launched
     assert_ok(result)
     assert "launcher deepspeed" in result.stdout
     assert "1 CPU thread(s) per process" in result.stdout
@@ -126,17 +156,20 @@ class _Marker:
 
 @needs_deepspeed
 @pytest.mark.slow
-def test_a_crafted_deepspeed_file_is_refused_before_anything_runs(tmp_path):
-    out, marker = str(tmp_path / "run"), str(tmp_path / "marker")
-    keys = [*LENET, *DEEPSPEED, "CHECKPOINT.PERIOD_ITERS", "0"]
-    assert_ok(train_net(*keys, "OUT_DIR", out))
+def test_a_crafted_deepspeed_file_is_refused_before_anything_runs(tmp_path, launched):
+    """The launched run's newest DeepSpeed file replaced by a pickle that runs
+    code; resuming is refused (in this process: exit 2 before anything runs)."""
+    result, run, _ = launched
+    assert_ok(result)
+    out, marker = _copy(run, tmp_path), str(tmp_path / "marker")
     files = os.path.join(out, "checkpoints", "ckpt_ep_0001.ds", "zero")
     target = os.path.join(files, "mp_rank_00_model_states.pt")
+    assert os.path.isfile(target)
     torch.save({"module": _Marker(marker)}, target, pickle_protocol=2)
     log = os.path.join(out, "log.txt")
     size = os.path.getsize(log)
-    result = train_net(*keys, "OPTIM.MAX_EPOCH", "2", "TRAIN.AUTO_RESUME", "True",
-                       "OUT_DIR", out)  # fmt: skip
+    result = call_main(*LENET, *DEEPSPEED, *KEEP, "OPTIM.MAX_EPOCH", "2",
+                       "TRAIN.AUTO_RESUME", "True", "OUT_DIR", out)  # fmt: skip
     assert result.returncode == 2, result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "refused" in errors[0] and "posix.system" in errors[0]
