@@ -27,6 +27,7 @@ from distribuuuu.models.chains import (
     named_bounds,
     step_sizes,
 )
+from distribuuuu.reporting.reports import parameter_mb
 from distribuuuu.strategies.pipeline import plan_split
 
 PIPELINE = ["DIST.STRATEGY", "pipeline"]
@@ -147,8 +148,8 @@ def test_bad_pipelines_exit_2_with_one_line_and_write_nothing(tmp_path, args, me
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_resnet8_on_two_stages_learns_the_digits(tmp_path):
-    """4 epochs: top-1 96.8 measured (6 epochs: 97.6; 3: 95.9)."""
-    args = ["MODEL.ARCH", "resnet8", "OPTIM.MAX_EPOCH", "4", *PIPELINE]
+    """3 epochs: top-1 95.9 measured (6 epochs: 97.6; 4: 96.8)."""
+    args = ["MODEL.ARCH", "resnet8", "OPTIM.MAX_EPOCH", "3", *PIPELINE]
     assert_ok(torchrun(2, *args, "OUT_DIR", str(tmp_path)))
     val = read_metrics(str(tmp_path), "val")
     assert val[-1]["top1"] >= 95.0 and val[-1]["samples"] == 1000
@@ -163,8 +164,11 @@ def _parameters_mb(stdout: str) -> float:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_stages_hold_at_most_0_6_of_the_parameters_per_process(tmp_path):
+    """Against DDP, whose every process holds the whole model: the MiB its
+    report gives is ``parameter_mb`` of the whole model (1.04 for resnet20),
+    computed here without a second job."""
     args = ["--dry-run", "MODEL.ARCH", "resnet20", "OUT_DIR", str(tmp_path)]
-    ddp = torchrun(2, *args)
     pipeline = torchrun(2, *args, *PIPELINE)
-    assert_ok(ddp), assert_ok(pipeline)
-    assert _parameters_mb(pipeline.stdout) <= 0.6 * _parameters_mb(ddp.stdout)
+    assert_ok(pipeline)
+    ddp_mb = round(parameter_mb(build_model("resnet20", 10)), 2)  # as reported
+    assert _parameters_mb(pipeline.stdout) <= 0.6 * ddp_mb
