@@ -37,10 +37,10 @@ def test_sigkill_two_ranks_then_rerun_is_bitwise_identical(tmp_path):
     sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, False, TWO_RANKS)
 
 
-# Two epochs of resnet8 on synthetic images, 32 steps of 64 each on 2 ranks
-# of one replica (DDP: 4,096 images; 2 pipeline stages: 2,048).
+# Two epochs of resnet8 on synthetic images, 24 steps of 64 each on 2 ranks
+# of one replica (DDP: 3,072 images; 2 pipeline stages: 1,536).
 STOPPED = ["MODEL.ARCH", "resnet8", "DATA.NAME", "synthetic"]
-STOPPED += ["OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "20"]
+STOPPED += ["OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "10"]
 
 
 @pytest.mark.distributed
@@ -48,14 +48,17 @@ STOPPED += ["OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "20"]
 @pytest.mark.parametrize(
     "more",
     [
-        ["DATA.SYNTHETIC_SIZE", "[4096,200]"],
-        ["DATA.SYNTHETIC_SIZE", "[2048,200]", "DIST.STRATEGY", "pipeline"],
+        ["DATA.SYNTHETIC_SIZE", "[3072,200]"],
+        ["DATA.SYNTHETIC_SIZE", "[1536,200]", "DIST.STRATEGY", "pipeline"],
     ],
     ids=["", "pipeline"],
 )
 def test_sigusr1_to_one_rank_stops_all_at_a_step_with_a_checkpoint(tmp_path, more):
     out = str(tmp_path)
-    check = 8  # the ranks agree every 8 steps (not on the print steps, every 20)
+    # The ranks agree every 8 steps (not on the print steps, every 10): rank 1
+    # is signalled after step 10, the ranks stop at step 16, 8 before the end
+    # of the epoch.
+    check = 8
     args = [*STOPPED, "DIST.STOP_CHECK_STEPS", str(check)]
     args += [*more, "OUT_DIR", out]
     proc = start(launch_command(2, args))
@@ -65,7 +68,7 @@ def test_sigusr1_to_one_rank_stops_all_at_a_step_with_a_checkpoint(tmp_path, mor
         while (
             proc.poll() is None
             and time.time() < deadline
-            and not (os.path.exists(log) and "train ep 1/2 it 20/" in read_text(log))
+            and not (os.path.exists(log) and "train ep 1/2 it 10/" in read_text(log))
         ):
             time.sleep(0.05)
         os.kill(worker_pid(proc.pid, 1), signal.SIGUSR1)

@@ -1,11 +1,52 @@
 """Nothing lost under the strategies that save pieces: a pipeline, tensor-
 parallel ranks and DeepSpeed's ZeRO, each SIGKILLed mid-run, rerun to end
-bitwise where an uninterrupted run ends (the run: helpers.KILLED_RUN)."""
+bitwise where an uninterrupted run ends (the run: helpers.KILLED_RUN, made
+shorter here)."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import sigkill_then_rerun_matches_uninterrupted
+import torch
+from helpers import (
+    KILLED_RUN,
+    assert_ok,
+    final_model,
+    kill_mid_run,
+    read_metrics,
+    torchrun,
+)
+
+# helpers.KILLED_RUN in 24 steps of global batch 64 (1,536 images on one
+# replica), a checkpoint every 6: the kill comes after the second (step 12),
+# with as many steps still to run as in the 32-step runs of 2 replicas there.
+SHORT_RUN = [*KILLED_RUN, "DATA.SYNTHETIC_SIZE", "[1536,200]"]
+SHORT_RUN += ["CHECKPOINT.PERIOD_ITERS", "6"]
+
+
+def _sigkill_then_rerun_matches_uninterrupted(tmp_path, more: tuple[str, ...]):
+    """helpers.sigkill_then_rerun_matches_uninterrupted on 2 ranks (no tear)
+    for :data:`SHORT_RUN`: kill every process at a random moment after the
+    second checkpoint; the rerun resumes and ends bitwise where an
+    uninterrupted run ends.  ``more``: config overrides of all runs."""
+    reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
+    run = [*SHORT_RUN, *more]
+    assert_ok(torchrun(2, *run, "OUT_DIR", reference))
+    args = [*run, "OUT_DIR", killed]
+    # 0.5 s at most: the rest of the epoch, 12 steps and the validation,
+    # takes longer.
+    pattern = "ckpt_ep_0000_it_0012.pth"
+    kill_mid_run(2, args, killed, pattern, "ckpt_ep_0001.pth", 0.5)
+    rerun = torchrun(2, *args)
+    assert_ok(rerun)
+    assert "resumed from" in rerun.stdout
+    expected, actual = final_model(reference), final_model(killed)
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        assert torch.equal(expected[key], actual[key]), f"{key} is not bitwise equal"
+    assert (
+        read_metrics(killed, "val")[-1]["top1"]
+        == read_metrics(reference, "val")[-1]["top1"]
+    )
 
 
 @pytest.mark.distributed
@@ -13,7 +54,7 @@ from helpers import sigkill_then_rerun_matches_uninterrupted
 def test_sigkill_a_pipeline_then_rerun_is_bitwise_identical(tmp_path):
     """Each of the 2 stages saves its piece; the rerun reads them back."""
     pipeline = ("DIST.STRATEGY", "pipeline", "MODEL.EMA", "True")
-    sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, False, pipeline)
+    _sigkill_then_rerun_matches_uninterrupted(tmp_path, pipeline)
 
 
 @pytest.mark.distributed
@@ -23,15 +64,15 @@ def test_sigkill_tensor_parallel_ranks_then_rerun_is_bitwise_identical(tmp_path)
     (16 patches) a step costs a third of one at 28 px."""
     tensor = ("MODEL.ARCH", "vit_tiny_patch4", "DIST.TENSOR_PARALLEL", "2")
     tensor += ("TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16")
-    sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, False, tensor)
+    _sigkill_then_rerun_matches_uninterrupted(tmp_path, tensor)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_sigkill_deepspeed_ranks_then_rerun_is_bitwise_identical(tmp_path):
     """ZeRO-2 with an EMA: DeepSpeed's files of the same layout read back.
-    2 ranks of 64: 4,096 images make 32 steps."""
+    2 ranks of 64: 3,072 images make 24 steps."""
     pytest.importorskip("deepspeed")
     deepspeed = ("DIST.STRATEGY", "deepspeed", "MODEL.EMA", "True")
-    deepspeed += ("DATA.SYNTHETIC_SIZE", "[4096,200]")
-    sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, False, deepspeed)
+    deepspeed += ("DATA.SYNTHETIC_SIZE", "[3072,200]")
+    _sigkill_then_rerun_matches_uninterrupted(tmp_path, deepspeed)

@@ -15,8 +15,8 @@ from helpers import assert_ok, read_metrics, read_text, torchrun, train_net
 from distribuuuu import checkpoint as cp
 
 # One epoch of LeNet-5 (no BatchNorm) on 1,024 synthetic images (16 steps of
-# 64), validated on 1,000: the runs' start-up, not their data, is what these
-# tests need (the embedded digits took seconds to load in each process).
+# 64), validated on 1,000: these tests compare weights, not what was learnt
+# (the embedded digits took seconds to load in each process, and 63 steps).
 LENET = ["MODEL.ARCH", "lenet5", "OPTIM.MAX_EPOCH", "1", "TRAIN.PRINT_FREQ", "20"]
 LENET += ["DATA.NAME", "synthetic", "DATA.SYNTHETIC_SIZE", "[1024,1000]"]
 PIPELINE = ["DIST.STRATEGY", "pipeline"]
@@ -24,11 +24,12 @@ PIPELINE = ["DIST.STRATEGY", "pipeline"]
 # thread as each torchrun rank is. At LR 0.1 LeNet's first epoch is chaotic:
 # the float noise of summing micro-batches (or of 1 against 2 threads) grows
 # to 3e-3 in the weights on an AVX2 CPU (1e-5 on an AVX-512 one); at 0.02 two
-# stages end 1.5e-8 from one process.
+# stages end 1.5e-8 from one process (on the digits and on LENET's images).
 GENTLE = [*LENET, "OPTIM.BASE_LR", "0.02"]
 # A resumed run on another layout, after a second epoch: 5.4e-5 measured on an
-# AVX2 CPU (the micro-batches of 4 stages against one process); entries read
-# into the wrong layers would be off by 1e-1.
+# AVX2 CPU on the digits (the micro-batches of 4 stages against one process),
+# 1.5e-8 on LENET's images; entries read into the wrong layers would be off by
+# 1e-1.
 ATOL_RESUMED = 2e-4
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
