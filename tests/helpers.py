@@ -485,22 +485,28 @@ def kill_mid_run(
 
 
 def sigkill_then_rerun_matches_uninterrupted(
-    tmp_path, nproc: int, tear: bool, more: tuple[str, ...] = ()
+    tmp_path,
+    nproc: int,
+    tear: bool,
+    more: tuple[str, ...] = (),
+    run: list[str] = KILLED_RUN,
+    after: str = "ckpt_ep_0000_it_002*.pth",
 ) -> None:
     """Kill a run of :data:`KILLED_RUN` (every process) at a random moment
     after its second checkpoint; with ``tear``, also cut its newest checkpoint
     in half, as a crash while writing would without the atomic rename.  The
     rerun resumes (from the checkpoint before the torn one) and ends bitwise
-    where an uninterrupted run ends.  ``more``: config overrides of all runs."""
+    where an uninterrupted run ends.  ``more``: config overrides of all runs;
+    ``run``: the run (its checkpoint ``after``, the glob of the second one,
+    leaving as many steps to run as :data:`KILLED_RUN` does)."""
     reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
-    run = [*KILLED_RUN, *more]
+    run = [*run, *more]
     launch = (lambda *a: torchrun(nproc, *a)) if nproc > 1 else train_net
     assert_ok(launch(*run, "OUT_DIR", reference))
     args = [*run, "OUT_DIR", killed]
-    pattern = "ckpt_ep_0000_it_002*.pth"
     # 0.5 s at most: the rest of the epoch, 12 steps or more and the
     # validation, takes longer.
-    kill_mid_run(nproc, args, killed, pattern, "ckpt_ep_0001.pth", 0.5)
+    kill_mid_run(nproc, args, killed, after, "ckpt_ep_0001.pth", 0.5)
     if tear:
         newest = max(glob.glob(os.path.join(killed, "checkpoints", "ckpt_*.pth")))
         with open(newest, "r+b") as f:

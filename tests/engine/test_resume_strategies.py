@@ -6,15 +6,7 @@ shorter here)."""
 from __future__ import annotations
 
 import pytest
-import torch
-from helpers import (
-    KILLED_RUN,
-    assert_ok,
-    final_model,
-    kill_mid_run,
-    read_metrics,
-    torchrun,
-)
+from helpers import KILLED_RUN, sigkill_then_rerun_matches_uninterrupted
 
 # helpers.KILLED_RUN in 24 steps of global batch 64 (1,536 images on one
 # replica), a checkpoint every 6: the kill comes after the second (step 12),
@@ -25,27 +17,9 @@ SHORT_RUN += ["CHECKPOINT.PERIOD_ITERS", "6"]
 
 def _sigkill_then_rerun_matches_uninterrupted(tmp_path, more: tuple[str, ...]):
     """helpers.sigkill_then_rerun_matches_uninterrupted on 2 ranks (no tear)
-    for :data:`SHORT_RUN`: kill every process at a random moment after the
-    second checkpoint; the rerun resumes and ends bitwise where an
-    uninterrupted run ends.  ``more``: config overrides of all runs."""
-    reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
-    run = [*SHORT_RUN, *more]
-    assert_ok(torchrun(2, *run, "OUT_DIR", reference))
-    args = [*run, "OUT_DIR", killed]
-    # 0.5 s at most: the rest of the epoch, 12 steps and the validation,
-    # takes longer.
-    pattern = "ckpt_ep_0000_it_0012.pth"
-    kill_mid_run(2, args, killed, pattern, "ckpt_ep_0001.pth", 0.5)
-    rerun = torchrun(2, *args)
-    assert_ok(rerun)
-    assert "resumed from" in rerun.stdout
-    expected, actual = final_model(reference), final_model(killed)
-    assert expected.keys() == actual.keys()
-    for key in expected:
-        assert torch.equal(expected[key], actual[key]), f"{key} is not bitwise equal"
-    assert (
-        read_metrics(killed, "val")[-1]["top1"]
-        == read_metrics(reference, "val")[-1]["top1"]
+    for :data:`SHORT_RUN`, killed after its second checkpoint (step 12)."""
+    sigkill_then_rerun_matches_uninterrupted(
+        tmp_path, 2, False, more, SHORT_RUN, "ckpt_ep_0000_it_0012.pth"
     )
 
 
