@@ -8,16 +8,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torchvision
-from yacs.config import CfgNode
 
-from distribuuuu.data import describe_decoder, stack_images
+from distribuuuu.data import stack_images
 from distribuuuu.dist import group as du
-from distribuuuu.engine import specs
 from distribuuuu.engine.numerics import all_finite, module_tensors, nonfinite_loss
 from distribuuuu.engine.state import TrainState
 from distribuuuu.logger import STATUS_LINE, set_status
@@ -30,9 +27,6 @@ from distribuuuu.reporting.meters import (
     progress_bar,
 )
 from distribuuuu.reporting.writer import MetricsWriter
-
-if TYPE_CHECKING:
-    from distribuuuu.plan.auto import Planned
 
 logger = logging.getLogger(__name__)
 
@@ -351,63 +345,3 @@ def log_training_images(writer: MetricsWriter, dataset, seed: int) -> None:
     grid = torchvision.utils.make_grid(images, nrow=8)
     pixels = grid.permute(1, 2, 0).numpy()
     writer.image("train/augmented_images", pixels)
-
-
-def report_start(
-    cfg: CfgNode,
-    info: du.LaunchInfo,
-    state: TrainState,
-    *,
-    size: dict,
-    sizes: dict,
-    start: str,
-    planned: Planned | None = None,
-) -> None:
-    """Log, record and show in tensorboard what the run is about to do.
-
-    ``size``: the model's size (:func:`reports.model_size`); ``sizes``: the
-    number of training and validation images; ``start``: what the run starts
-    from, in words; ``planned``: DIST.STRATEGY auto's, whose table the report
-    shows (and the metrics keep in a line of their own).
-    """
-    plan, progress = state.plan, state.progress
-    report = {
-        "versions": reports.versions(),
-        "world": reports.world_layout(info, state.device),
-        "data": {
-            "name": cfg.DATA.NAME,
-            **sizes,
-            "class_names": state.classes,
-            "decoder": describe_decoder(specs.data_spec(cfg)),
-        },
-        "model": {"arch": cfg.MODEL.ARCH, "syncbn": cfg.MODEL.SYNCBN, **size},
-        "batch": {
-            "per_rank": plan.per_rank,
-            "accum": plan.accum,
-            "world_size": plan.world_size,
-            "global": plan.global_batch,
-        },
-        "memory": fullest(state.strategy.memory_mb(state.model)),
-        "lr": cfg.OPTIM.BASE_LR * plan.lr_scale,
-        "lr_policy": cfg.OPTIM.LR_POLICY,
-        "strategy": state.strategy.describe(state.model),
-        "precision": "none"
-        if state.amp_dtype is None
-        else str(state.amp_dtype).split(".")[-1],
-        "seed": f"{progress.seed}" + " (picked at random)" * (cfg.RNG_SEED is None),
-        "start": start,
-    }
-    if planned is not None:
-        report["plan"] = {"why": planned.why, "table": planned.table}
-        state.writer.write({"split": "plan", **planned.record()})
-    text = reports.format_startup(report)
-    logger.info("%s", text)
-    state.writer.write({"split": "start", **report})
-    state.writer.text("run/start", "    " + text.replace("\n", "\n    "))
-
-
-def fullest(memory: dict) -> dict:
-    """Each figure of ``memory`` (MiB on this process) at its largest over the
-    processes; a collective."""
-    every = du.all_gather_object(memory)
-    return {key: max(part[key] for part in every) for key in memory}

@@ -36,12 +36,9 @@ from distribuuuu.engine.best import keep_best
 from distribuuuu.engine.evaluation import evaluate, evaluate_epoch, weights_to_evaluate
 from distribuuuu.engine.loop import StopRequest, end_stopped_run, train_epoch
 from distribuuuu.engine.resume import resume_or_load, save_training_checkpoint
-from distribuuuu.engine.run_log import (
-    log_checkpoint_evaluation,
-    log_training_images,
-    report_start,
-)
+from distribuuuu.engine.run_log import log_checkpoint_evaluation, log_training_images
 from distribuuuu.engine.session import resolve_seed, run_context, seed_everything
+from distribuuuu.engine.startup import report_start
 from distribuuuu.engine.state import BatchPlan, RunClock, TrainState, plan_batches
 from distribuuuu.models import build_configured, build_model, zero_init_residual
 from distribuuuu.models.ema import ModelEma
