@@ -68,6 +68,7 @@ def vit_b() -> PaperRun:
     return PaperRun.of(load_cfg(None, VIT_B), on_cpu=False)
 
 
+@pytest.mark.slow  # 20 s of traces: the fast subset stays under 3 minutes
 def test_resnet50_on_8_a100_40gb_picks_ddp():
     """config/resnet50.yaml on one node of 8 A100-40GB: plain ddp, which
     fits with room to spare, at the global batch of 8 x 32."""
