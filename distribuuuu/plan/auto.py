@@ -86,22 +86,10 @@ def overrides(candidate: Candidate) -> dict[str, Any]:
     return keys
 
 
-# What a recorded plan may set: the keys overrides() writes.
+# What a recorded plan may set: the keys overrides() writes for a candidate
+# that uses every degree.
 RECORDED_KEYS = frozenset(
-    (
-        "DIST.STRATEGY",
-        "DIST.TENSOR_PARALLEL",
-        "TRAIN.BATCH_SIZE",
-        "TRAIN.ACCUM_STEPS",
-        "MODEL.ACT_CKPT",
-        "DIST.PIPELINE.STAGES",
-        "DIST.PIPELINE.SCHEDULE",
-        "DIST.HSDP.SHARD_SIZE",
-        "DIST.DEEPSPEED.ZERO_STAGE",
-        "DIST.DEEPSPEED.OFFLOAD_OPTIMIZER",
-        "DIST.DEEPSPEED.OFFLOAD_PARAMS",
-        "DIST.DEEPSPEED.CONFIG",
-    )
+    overrides(Candidate("deepspeed", 2, 2, "1f1b", 1, 2, 3, OFFLOAD_ALL, 1, 1, True))
 )
 
 
@@ -142,31 +130,29 @@ def _of_result(result: PlanResult) -> Planned:
 
 
 def _search(
-    cfg: CfgNode, calibration: Calibration, nodes: int, procs_per_node: int
+    cfg: CfgNode, calibration: Calibration, world: tuple[int, int], memory_mib: float
 ) -> Planned:
-    """The search on the measured machine, in a process of its own (the
-    fake process group's traces)."""
+    """The search on the measured machine (``world``: nodes, processes per
+    node; ``memory_mib``: one device's), in a process of its own (the fake
+    process group's traces)."""
     run = PaperRun.of(cfg, on_cpu=calibration.device_type == "cpu")
-    memory = _device_memory_mib(calibration.device_type, procs_per_node)
-    machine = run.machine_of(calibration, nodes, procs_per_node, memory)
+    machine = run.machine_of(calibration, *world, memory_mib)
     return _of_result(run.plan(machine))
 
 
-def _device_memory_mib(device_type: str, procs_per_node: int) -> float:
-    """One device's memory: a GPU's total, or this machine's RAM over the
-    processes on it."""
-    if device_type == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory / MIB
+def _device_memory_mib(device: torch.device, procs_per_node: int) -> float:
+    """The memory of ``device``: a GPU's total, or this machine's RAM over
+    the processes on it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / MIB
     return PaperMachine(1, procs_per_node, "cpu").memory_mib()
 
 
-def _search_apart(
-    cfg: CfgNode, calibration: Calibration, nodes: int, procs_per_node: int
-) -> Planned:
+def _search_apart(*args: Any) -> Planned:
     """:func:`_search` in a new (spawned) process; its error raised here."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(_search, cfg, calibration, nodes, procs_per_node).result()
+        return pool.submit(_search, *args).result()
 
 
 def plan_here(cfg: CfgNode, info: du.LaunchInfo, device: torch.device) -> Planned:
@@ -189,7 +175,9 @@ def plan_here(cfg: CfgNode, info: du.LaunchInfo, device: torch.device) -> Planne
     answer: Planned | str
     if info.rank == 0:
         try:
-            answer = _search_apart(cfg, calibration, nodes, info.local_world_size)
+            world = (nodes, info.local_world_size)
+            memory = _device_memory_mib(device, info.local_world_size)
+            answer = _search_apart(cfg, calibration, world, memory)
         except (NothingFitsError, ConfigError) as error:
             answer = f"DIST.STRATEGY auto: {error}"
     else:
