@@ -4,7 +4,9 @@ share is in helpers.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 
 import pytest
 import torch
@@ -18,6 +20,14 @@ def pytest_configure(config) -> None:
     machine more threads would only wait for each other."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # DeepSpeed compiles its CPU communication op at its first use on a CPU
+    # into torch's extension cache, whose default folder names the Python
+    # and CUDA versions but not the venv: two venvs (a clone's, the torch
+    # 2.11 one of .ci/run) would rebuild it over each other, minutes each.
+    venv = hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]
+    cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    folder = os.path.join(cache, "torch_extensions", f"venv-{venv}")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", folder)
 
 
 # The skip reasons of tests that run on CUDA only.

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from zygote import Zygote
 
 from distribuuuu.dist.group import release_groups
 from distribuuuu.dist.spawn import find_free_port
@@ -151,16 +152,33 @@ def kill_session(proc: subprocess.Popen) -> None:
     proc.communicate()
 
 
+_zygote: list[Zygote] = []
+
+
+def run_python(argv: list[str], timeout: float = 300, env: dict | None = None):
+    """``python ARGV``, run to its end like :func:`run_command`, in a process
+    forked from this worker's preloaded zygote (tests/zygote.py: no seconds
+    of imports) where the environment allows, else in a new interpreter."""
+    full_env = {**os.environ, **(env or {})}
+    if not _zygote:
+        _zygote.append(Zygote(REPO))
+    if not _zygote[0].takes(full_env):
+        return run_command([sys.executable, *argv], timeout=timeout, env=env)
+    code, out, err = _zygote[0].run(argv, timeout, full_env, kill_tree)
+    if code is None:
+        pytest.fail(f"timed out after {timeout}s: {argv}\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess([sys.executable, *argv], code, out, err)
+
+
 def train_net(*args: str, timeout: float = 300, env: dict | None = None):
     """``python tools/train_net.py ARGS`` as a user would run it."""
-    return run_command([sys.executable, TRAIN_NET, *args], timeout=timeout, env=env)
+    return run_python([TRAIN_NET, *args], timeout=timeout, env=env)
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300):
     """``torchrun --standalone --nproc_per_node=N tools/train_net.py ARGS``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={nproc}", TRAIN_NET, *args]
-    return run_command(cmd, timeout=timeout)
+    argv = ["-m", "torch.distributed.run", "--standalone"]
+    return run_python([*argv, f"--nproc_per_node={nproc}", TRAIN_NET, *args], timeout)
 
 
 def import_tool(name: str):
@@ -255,8 +273,11 @@ def strategy_for(name: str, syncbn: bool = False, device="cpu", amp_dtype=None, 
     return build_strategy(spec)
 
 
-def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(
+    rank: int, world: int, port: int, fn, args: tuple, out_dir: str, env: dict
+) -> None:
+    os.environ.clear()  # the caller's, as a spawned process would inherit it
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -281,15 +302,25 @@ def run_parts(parts: dict) -> dict:
     return results
 
 
+# What the ranks of run_on_ranks import once, in their fork server.
+RANK_PRELOAD = ["torch", "torchvision", "distribuuuu.strategies", "helpers"]
+
+
 def run_on_ranks(world: int, fn, args: tuple, out_dir: str) -> list:
-    """``fn(rank, world, *args)`` on ``world`` gloo ranks; their results in order."""
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks; their results in order.
+
+    The ranks are forked from a server that imported torch once (a fork
+    server: a fresh single-threaded interpreter, not this process), instead
+    of each importing it anew as a spawned process would.
+    """
     os.makedirs(out_dir, exist_ok=True)
+    mp.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
     mp.start_processes(
         _entry,
-        args=(world, free_port(), fn, args, str(out_dir)),
+        args=(world, free_port(), fn, args, str(out_dir), dict(os.environ)),
         nprocs=world,
         join=True,
-        start_method="spawn",
+        start_method="forkserver",
     )
     return [
         torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True)
