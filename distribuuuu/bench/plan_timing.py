@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import os
 import statistics
 import tempfile
@@ -33,9 +34,14 @@ from distribuuuu.models import build_model
 from distribuuuu.plan.calibrate import calibrate
 from distribuuuu.plan.cost import Workload, step_cost
 from distribuuuu.plan.flops import count_flops
+from distribuuuu.plan.search import PREFERENCE_WINDOW, SIMPLER_FIRST
 from distribuuuu.strategies.fsdp import shard_fully
 
 WAYS = ("none", "ddp", "zero1", "fsdp")
+# Two strategies whose predicted steps differ by more than ORDER_MARGIN must
+# be measured in the same order; the way the planner would choose must be
+# measured within CHOSEN_SLACK of the fastest measured.
+ORDER_MARGIN, CHOSEN_SLACK = 0.15, 0.10
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,34 @@ def measure_plan_timing(
     for row in rows.values():  # what the sync adds to a step without it
         row["measured_over_none"] = row["measured_ms"] / rows["none"]["measured_ms"]
         row["predicted_over_none"] = row["predicted_ms"] / rows["none"]["predicted_ms"]
-    return {"ways": rows, "calibration": per_rank[0][2], "load": os.getloadavg()}
+    return {
+        "ways": rows,
+        "judged": judge(rows),
+        "calibration": per_rank[0][2],
+        "load": os.getloadavg(),
+    }
+
+
+def judge(rows: dict) -> dict:
+    """The predictions as a ranking of the strategies (ddp, zero1, fsdp):
+    each pair they set more than :data:`ORDER_MARGIN` apart, faster first,
+    and whether the measurement orders it alike; the way the planner would
+    choose (the fastest predicted, or within its window the simplest) and
+    its measured step over the fastest measured."""
+    ways = [way for way in SIMPLER_FIRST if way in rows]
+    predicted = {way: rows[way]["predicted_ms"] for way in ways}
+    measured = {way: rows[way]["measured_ms"] for way in ways}
+    pairs = []
+    for a, b in itertools.combinations(ways, 2):
+        fast, slow = sorted((a, b), key=predicted.__getitem__)
+        if predicted[slow] / predicted[fast] - 1 > ORDER_MARGIN:
+            right = measured[fast] < measured[slow]
+            pairs.append({"faster": fast, "slower": slow, "right": right})
+    window = min(predicted.values()) * (1 + PREFERENCE_WINDOW)
+    chosen = next(way for way in ways if predicted[way] <= window)
+    best = min(ways, key=measured.__getitem__)
+    over = measured[chosen] / measured[best] - 1
+    return {"pairs": pairs, "chosen": chosen, "best": best, "chosen_over_best": over}
 
 
 def format_plan_timing(result: dict) -> str:
@@ -203,6 +236,17 @@ def format_plan_timing(result: dict) -> str:
             f"{row['error']:>+6.1%} {row['measured_over_none']:>17.3f} "
             f"{row['predicted_over_none']:>10.3f}"
         )
+    judged = result["judged"]
+    pairs = judged["pairs"]
+    wrong = [f"{p['faster']} < {p['slower']}" for p in pairs if not p["right"]]
+    lines.append(
+        f"pairs predicted over {ORDER_MARGIN:.0%} apart: "
+        f"{len(pairs) - len(wrong)} of {len(pairs)} measured in that order"
+        + (f" (wrong: {', '.join(wrong)})" if wrong else "")
+        + f"; chosen {judged['chosen']}, measured {judged['chosen_over_best']:+.1%} "
+        f"over the fastest measured ({judged['best']}; at most "
+        f"{CHOSEN_SLACK:.0%} asked)"
+    )
     cal = result["calibration"]
     lines.append(
         f"alpha {cal['alpha_ms']:.2f} ms, beta {cal['beta_mb_s']:.0f} MB/s, "

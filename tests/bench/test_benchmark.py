@@ -133,3 +133,24 @@ def test_the_pipeline_bubble_is_measured_for_both_schedules():
         assert row["ideal_bubble"] == 1 / (row["micro_batches"] + 1)  # 2 stages
         assert 0 <= row["bubble"] < 1 and row["step_ms"] > 0
     assert "1f1b" in format_bubble(rows)
+
+
+def test_the_timing_benchmark_judges_order_and_choice():
+    """Pairs predicted over 15% apart are checked for the measured order
+    (fsdp, predicted slowest, was measured fastest; ddp and zero1, 3% apart,
+    are not judged); the planner's choice (ddp: within 5% of the fastest
+    prediction, and simpler) is measured against the fastest measured."""
+    from distribuuuu.bench.plan_timing import judge
+
+    predicted = {"none": 50, "ddp": 100, "zero1": 97, "fsdp": 130}
+    measured = {"none": 60, "ddp": 110, "zero1": 100, "fsdp": 95}
+    rows = {
+        w: {"predicted_ms": predicted[w], "measured_ms": measured[w]} for w in predicted
+    }
+    judged = judge(rows)
+    assert judged["pairs"] == [
+        {"faster": "ddp", "slower": "fsdp", "right": False},
+        {"faster": "zero1", "slower": "fsdp", "right": False},
+    ]
+    assert judged["chosen"] == "ddp" and judged["best"] == "fsdp"
+    assert judged["chosen_over_best"] == pytest.approx(110 / 95 - 1)
