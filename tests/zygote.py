@@ -147,7 +147,13 @@ class Zygote:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        atexit.register(self.proc.kill)
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        """Kill it, and remove its folder."""
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def ready(self, seconds: float = 300) -> bool:
         """Whether it listens (it imports for some seconds first)."""

@@ -25,7 +25,7 @@ from distribuuuu.config import (
     merge_cfg,
     validate_cfg,
 )
-from distribuuuu.data import worker_server
+from distribuuuu.dist import worker_server
 from distribuuuu.engine import run_lock
 from distribuuuu.errors import OutDirInUseError
 

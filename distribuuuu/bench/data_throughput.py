@@ -23,7 +23,7 @@ from torchvision import transforms as classic
 from distribuuuu.data import build_dataset, build_normalizer, build_train_loader
 from distribuuuu.data.datasets import IMAGENET_MEAN, IMAGENET_STD
 from distribuuuu.data.spec import DataSpec, LoaderSpec
-from distribuuuu.data.worker_server import worker_context
+from distribuuuu.dist.worker_server import worker_context
 
 # ImageNet's median photo is about 500 x 375 (4:3 landscape); the JPEGs of the
 # data-pipeline measurement have that size.

@@ -38,7 +38,7 @@ from distribuuuu.data.transforms import (
     imagenet_transforms,
     small_image_transforms,
 )
-from distribuuuu.data.worker_server import worker_context
+from distribuuuu.dist.worker_server import worker_context
 from distribuuuu.errors import DataError
 
 __all__ = [

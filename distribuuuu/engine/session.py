@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu.data.worker_server import start_worker_server
 from distribuuuu.dist import group as du
+from distribuuuu.dist.worker_server import start_worker_server
 from distribuuuu.engine.run_lock import agree_out_dir_free
 from distribuuuu.engine.specs import AUTO_STRATEGY, run_precision, strategy_spec
 from distribuuuu.logger import setup_logging

@@ -19,13 +19,14 @@ from helpers import (
     kill_tree,
     last_checkpoint_weights,
     process_table,
+    run_command,
 )
 from torch.utils.data import DataLoader, Dataset
 
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_test_loader, build_train_loader
 from distribuuuu.data.packed import PackedSamples
-from distribuuuu.data.worker_server import worker_context
+from distribuuuu.dist.worker_server import worker_context
 from distribuuuu.dist.watchdog import Watchdog, WatchedLoader
 from distribuuuu.engine.specs import loader_spec
 from distribuuuu.errors import LoaderTimeoutError
@@ -57,6 +58,19 @@ def _pids(batches) -> set[tuple[int, int]]:
             found.add(tuple(image.reshape(-1).view(torch.int32).tolist()))
     return found
 
+
+
+def test_the_worker_server_starts_before_the_trainer_imports_torch():
+    """train_net.py starts the fork server right after reading the config, so
+    that its imports (torch, 2-6 s) overlap the trainer's own: nothing the
+    script imports at its top may import torch (importing any module of
+    ``distribuuuu.data`` would: its package does)."""
+    code = f"import runpy, sys; sys.argv = ['x', '--help']; sys.path[0] = {REPO!r}"
+    code += f"; runpy.run_path({TRAIN_NET!r}, run_name='not_main')"
+    code += "; print('torch' in sys.modules)"
+    result = run_command([sys.executable, "-c", code], timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False"]
 
 def test_no_loader_worker_is_forked_from_the_trainer():
     cfg = load_cfg(None, ["TRAIN.WORKERS", "2", "TEST.BATCH_SIZE", "2"])

@@ -20,8 +20,9 @@ single thread. What differs from fork:
 - the server's first worker waits for its imports (2-6 s with torch):
   :func:`start_worker_server` starts it early, before this process imports
   torch (``tools/train_net.py``, right after the config is read), so that
-  both import at once. This module imports no torch for that reason (it is
-  not in ``data/``, whose package imports torch).
+  both import at once. This module imports no torch for that reason, and it
+  lives in ``dist/`` (beside spawn), whose package imports nothing: importing
+  anything of ``data/`` runs its package, which imports torch.
 """
 
 from __future__ import annotations
