@@ -73,6 +73,16 @@ def fake_store():
     return FakeStore()
 
 
+class MetaStream(torch.cpu.Stream):
+    """The CPU's stream, which orders nothing, with the numbers a
+    ``torch.Stream`` has (FSDP of torch 2.15 hands them to its
+    ``fsdp::record_grad_output_stream`` op, a no-op by default)."""
+
+    stream_id = 0
+    device_index = 0
+    device_type = 0
+
+
 # What FSDP asks of ``torch.<device type>`` (current device, streams and
 # events), for meta: the CPU's streams and events, which order nothing.
 META_DEVICE_MODULE = {
@@ -80,10 +90,10 @@ META_DEVICE_MODULE = {
     "device_count": lambda: 1,
     "is_available": lambda: True,
     "set_device": lambda device: None,
-    "Stream": torch.cpu.Stream,
+    "Stream": MetaStream,
     "Event": torch.cpu.Event,
     "stream": torch.cpu.stream,
-    "current_stream": torch.cpu.current_stream,
+    "current_stream": lambda device=None: MetaStream(),
     "synchronize": torch.cpu.synchronize,
 }
 
