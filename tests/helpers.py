@@ -153,6 +153,8 @@ def kill_session(proc: subprocess.Popen) -> None:
 
 
 _zygote: list[Zygote] = []
+# The worker's environment before any test changed it: the zygote's.
+_WORKER_ENV = dict(os.environ)
 
 
 def run_python(argv: list[str], timeout: float = 300, env: dict | None = None):
@@ -161,7 +163,7 @@ def run_python(argv: list[str], timeout: float = 300, env: dict | None = None):
     of imports) where the environment allows, else in a new interpreter."""
     full_env = {**os.environ, **(env or {})}
     if not _zygote:
-        _zygote.append(Zygote(REPO))
+        _zygote.append(Zygote(REPO, _WORKER_ENV))
     if not _zygote[0].takes(full_env):
         return run_command([sys.executable, *argv], timeout=timeout, env=env)
     code, out, err = _zygote[0].run(argv, timeout, full_env, kill_tree)

@@ -137,13 +137,14 @@ class Zygote:
     """The client: this process's zygote, started at the first command and
     killed with this process."""
 
-    def __init__(self, cwd: str):
-        self.cwd, self.env = cwd, dict(os.environ)
+    def __init__(self, cwd: str, env: dict):
+        self.cwd, self.env = cwd, dict(env)
         self.folder = tempfile.mkdtemp(prefix="zygote-")
         self.address = os.path.join(self.folder, "socket")
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), self.address],
             cwd=cwd,
+            env=self.env,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
