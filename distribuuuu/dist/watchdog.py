@@ -35,9 +35,8 @@ from collections.abc import Callable, Iterator, Sized
 from types import FrameType
 from typing import Any, Protocol, cast
 
-from distribuuuu.errors import LoaderTimeoutError
 from distribuuuu.dist import peers
-from distribuuuu.errors import PeerLostError
+from distribuuuu.errors import LoaderTimeoutError, PeerLostError
 
 logger = logging.getLogger(__name__)
 

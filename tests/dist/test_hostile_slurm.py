@@ -19,12 +19,20 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import slurm_ready
-from helpers import REPO, TINY, TRAIN_NET, descendants, kill_tree, run_command, start
+from helpers import (
+    REPO,
+    TINY,
+    TRAIN_NET,
+    descendants,
+    kill_tree,
+    run_command,
+    slurm_ready,
+    start,
+)
 
 import distribuuuu.dist.group as du
-from distribuuuu.errors import LaunchError
 from distribuuuu.dist.peers import peer_failure
+from distribuuuu.errors import LaunchError
 
 needs_slurm = pytest.mark.skipif(
     bool(slurm_ready()), reason=slurm_ready() or "Slurm is up"

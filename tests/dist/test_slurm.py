@@ -6,14 +6,11 @@ skip when ``srun`` is missing or no node is usable.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from helpers import slurm_ready
 from helpers import (
     FAST,
     TRAIN_NET,
@@ -21,11 +18,11 @@ from helpers import (
     read_metrics,
     read_text,
     run_command,
+    slurm_ready,
     train_net,
 )
 
 from distribuuuu.models import build_model
-
 
 pytestmark = pytest.mark.skipif(bool(slurm_ready()), reason=slurm_ready() or "ok")
 

@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, Dataset
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_test_loader, build_train_loader
 from distribuuuu.data.packed import PackedSamples
-from distribuuuu.dist.worker_server import worker_context
 from distribuuuu.dist.watchdog import Watchdog, WatchedLoader
+from distribuuuu.dist.worker_server import worker_context
 from distribuuuu.engine.specs import loader_spec
 from distribuuuu.errors import LoaderTimeoutError
 
@@ -59,7 +59,6 @@ def _pids(batches) -> set[tuple[int, int]]:
     return found
 
 
-
 def test_the_worker_server_starts_before_the_trainer_imports_torch():
     """train_net.py starts the fork server right after reading the config, so
     that its imports (torch, 2-6 s) overlap the trainer's own: nothing the
@@ -71,6 +70,7 @@ def test_the_worker_server_starts_before_the_trainer_imports_torch():
     result = run_command([sys.executable, "-c", code], timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False"]
+
 
 def test_no_loader_worker_is_forked_from_the_trainer():
     cfg = load_cfg(None, ["TRAIN.WORKERS", "2", "TEST.BATCH_SIZE", "2"])
