@@ -89,7 +89,21 @@ def overrides(candidate: Candidate) -> dict[str, Any]:
 # What a recorded plan may set: the keys overrides() writes for a candidate
 # that uses every degree.
 RECORDED_KEYS = frozenset(
-    overrides(Candidate("deepspeed", 2, 2, "1f1b", 1, 2, 3, OFFLOAD_ALL, 1, 1, True))
+    overrides(
+        Candidate(
+            strategy="deepspeed",
+            tensor_parallel=2,
+            pipeline_stages=2,
+            pipeline_schedule="1f1b",
+            data_parallel=1,
+            shard_size=2,
+            zero_stage=3,
+            offload=OFFLOAD_ALL,
+            micro_batch=1,
+            accum_steps=1,
+            act_ckpt=True,
+        )
+    )
 )
 
 
@@ -148,11 +162,14 @@ def _device_memory_mib(device: torch.device, procs_per_node: int) -> float:
     return PaperMachine(1, procs_per_node, "cpu").memory_mib()
 
 
-def _search_apart(*args: Any) -> Planned:
+def _search_apart(
+    cfg: CfgNode, calibration: Calibration, world: tuple[int, int], memory_mib: float
+) -> Planned:
     """:func:`_search` in a new (spawned) process; its error raised here."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(_search, *args).result()
+        job = pool.submit(_search, cfg, calibration, world, memory_mib)
+        return job.result()
 
 
 def plan_here(cfg: CfgNode, info: du.LaunchInfo, device: torch.device) -> Planned:
