@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import json
 import os
 import random
@@ -101,8 +102,6 @@ def _child(request: dict) -> None:
 
 def serve(address: str) -> None:
     """Preload, then fork a child per connection until the parent is gone."""
-    import importlib
-
     for name in PRELOAD:
         importlib.import_module(name)
     if len(os.listdir("/proc/self/task")) > 1:

@@ -64,7 +64,7 @@ def test_the_worker_server_starts_before_the_trainer_imports_torch():
     that its imports (torch, 2-6 s) overlap the trainer's own: nothing the
     script imports at its top may import torch (importing any module of
     ``distribuuuu.data`` would: its package does)."""
-    code = f"import runpy, sys; sys.argv = ['x', '--help']; sys.path[0] = {REPO!r}"
+    code = f"import runpy, sys; sys.path[0] = {REPO!r}"  # its top only:
     code += f"; runpy.run_path({TRAIN_NET!r}, run_name='not_main')"
     code += "; print('torch' in sys.modules)"
     result = run_command([sys.executable, "-c", code], timeout=60)
