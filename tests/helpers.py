@@ -157,16 +157,21 @@ _zygote: list[Zygote] = []
 _WORKER_ENV = dict(os.environ)
 
 
+def _the_zygote() -> Zygote:
+    if not _zygote:
+        _zygote.append(Zygote(REPO, _WORKER_ENV))
+    return _zygote[0]
+
+
 def run_python(argv: list[str], timeout: float = 300, env: dict | None = None):
     """``python ARGV``, run to its end like :func:`run_command`, in a process
     forked from this worker's preloaded zygote (tests/zygote.py: no seconds
     of imports) where the environment allows, else in a new interpreter."""
     full_env = {**os.environ, **(env or {})}
-    if not _zygote:
-        _zygote.append(Zygote(REPO, _WORKER_ENV))
-    if not _zygote[0].takes(full_env):
+    done = _the_zygote().run(argv, timeout, full_env, kill_tree)
+    if done is None:
         return run_command([sys.executable, *argv], timeout=timeout, env=env)
-    code, out, err = _zygote[0].run(argv, timeout, full_env, kill_tree)
+    code, out, err = done
     if code is None:
         pytest.fail(f"timed out after {timeout}s: {argv}\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess([sys.executable, *argv], code, out, err)
@@ -178,9 +183,11 @@ def train_net(*args: str, timeout: float = 300, env: dict | None = None):
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300):
-    """``torchrun --standalone --nproc_per_node=N tools/train_net.py ARGS``."""
-    argv = ["-m", "torch.distributed.run", "--standalone"]
-    return run_python([*argv, f"--nproc_per_node={nproc}", TRAIN_NET, *args], timeout)
+    """``torchrun --standalone --nproc_per_node=N tools/train_net.py ARGS``;
+    its workers, too, are forked from the zygote where it can run them."""
+    argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    workers = ["--no-python", *_the_zygote().worker_command()]
+    return run_python([*argv, *workers, TRAIN_NET, *args], timeout)
 
 
 def import_tool(name: str):

@@ -14,11 +14,23 @@ What differs from a new interpreter: the modules are imported already, and
 the children share one ``hash()`` seed. Tests of start-up itself (imports,
 time) run a real interpreter (:func:`helpers.run_command`). A command whose
 environment differs from the zygote's does too, since some variables are
-read at import time.
+read at import time: the zygote refuses it, and the client starts one.
+(Variables the imports set themselves, such as the ``TORCHINDUCTOR_CACHE_DIR``
+that importing ``torch._dynamo`` sets, may be missing from the command's.)
 
-The protocol, one connection per command: the client sends a JSON line
-(``argv``, ``cwd``, ``env``, ``out``, ``err``: file paths); the zygote
-answers the child's pid, then its exit status, a line each.
+torchrun's workers come from the zygote too (:func:`worker`): torchrun
+starts ``python -S zygote.py --worker ADDRESS SCRIPT ARGS`` for each
+(``--no-python``), a client that asks the zygote to fork the worker with the
+client's stdin, stdout, stderr, directory and environment, forwards the
+signals torchrun sends it, and ends as the worker ended. Its environment may
+differ from the zygote's in the variables torchrun sets too; where the
+zygote refuses it, or is gone, the client becomes ``python -u SCRIPT ARGS``.
+
+The protocol, one connection per command: the client sends a byte, with its
+descriptors 0, 1 and 2 for a worker, then a JSON line (``argv``, ``cwd``,
+``env``; ``out``, ``err``: file paths for a command); the zygote answers the
+child's pid (``new`` for a command it will not fork), then its exit status, a
+line each. A child whose client hangs up first is killed with its session.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
+import io
 import json
 import os
 import random
@@ -52,6 +65,34 @@ PRELOAD = (
 )
 
 
+# What torchrun sets for its workers, read when a run starts, not at import.
+TORCHRUN_SETS = frozenset(
+    [
+        "LOCAL_RANK",
+        "RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ]
+)
+# Set by the tests (pytest) or torchrun (its TORCHELASTIC_ and NCCL ones).
+IGNORED = ("PYTEST_CURRENT_TEST", "TORCHELASTIC_", "TORCH_NCCL_")
+
+
+def differ(env: dict, base: dict, made: set[str]) -> set[str]:
+    """The variables set differently in ``env`` and in the zygote's ``base``
+    that could matter at import time; ``made``: those its imports set."""
+    names = {name for name, _ in set(env.items()) ^ set(base.items())}
+    names -= made - env.keys()  # a new interpreter would set them alike
+    return {name for name in names if not name.startswith(IGNORED)}
+
+
 def _exit_code(code: object) -> int:
     """The status ``sys.exit(code)`` gives the interpreter."""
     if code is None:
@@ -67,6 +108,7 @@ def _run(argv: list[str]) -> int:
     try:
         if argv[0] == "-m":
             sys.argv, sys.path[0] = ["-m", *argv[2:]], os.getcwd()
+            sys.modules.pop(argv[1], None)  # preloaded: run it afresh, quietly
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)
@@ -80,14 +122,32 @@ def _run(argv: list[str]) -> int:
         return 1
 
 
-def _child(request: dict) -> None:
+def _unbuffered(stream: io.TextIOWrapper, fd: int) -> io.TextIOWrapper:
+    """``stream`` as ``python -u`` makes it: every write reaches ``fd``."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(
+        raw,
+        stream.encoding,
+        stream.errors,
+        write_through=True,  # type: ignore[arg-type]
+    )
+
+
+def _child(request: dict, fds: list[int]) -> None:
     """Become the command's process; never returns."""
     code = 1
     try:
         os.setsid()
-        for fd, path in ((1, request["out"]), (2, request["err"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        if fds:  # a worker: the client's stdin, stdout, stderr, unbuffered
+            for fd, given in enumerate(fds):
+                os.dup2(given, fd)
+                os.close(given)
+            sys.stdout = _unbuffered(sys.stdout, 1)
+            sys.stderr = _unbuffered(sys.stderr, 2)
+        else:
+            for fd, path in ((1, request["out"]), (2, request["err"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -100,36 +160,71 @@ def _child(request: dict) -> None:
         os._exit(code)
 
 
+def _accept(
+    listener: socket.socket, base: dict, made: set[str]
+) -> tuple[int, socket.socket]:
+    """Take a command, fork its child: (the child's pid or 0, the connection)."""
+    conn, _ = listener.accept()
+    _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+    request = json.loads(conn.makefile().readline())
+    unlike = differ(request["env"], base, made) - (TORCHRUN_SETS if fds else set())
+    if unlike:  # a command this interpreter cannot stand for
+        conn.sendall(b"new\n")
+        pid = 0
+    else:
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            conn.close()
+            _child(request, fds)
+        conn.sendall(f"{pid}\n".encode())
+    for fd in fds:
+        os.close(fd)
+    return pid, conn
+
+
+def _kill_session(pid: int) -> None:
+    """SIGKILL the child and the session it leads (once it has made it)."""
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
+
+
 def serve(address: str) -> None:
     """Preload, then fork a child per connection until the parent is gone."""
+    launched = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
     if len(os.listdir("/proc/self/task")) > 1:
         sys.exit("zygote: threads started at import; forking it is unsafe")
-    parent, children = os.getppid(), {}
+    parent, base = os.getppid(), dict(os.environ)
+    made = base.keys() - launched.keys()
+    children: dict[int, socket.socket | None] = {}  # pid: its client
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(16)
     atexit.register(shutil.rmtree, os.path.dirname(address), True)
     while os.getppid() == parent:
-        if select.select([listener], [], [], 0.05)[0]:
-            conn, _ = listener.accept()
-            request = json.loads(conn.makefile().readline())
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                conn.close()
-                _child(request)
-            conn.sendall(f"{pid}\n".encode())
-            children[pid] = conn
+        clients = {conn: pid for pid, conn in children.items() if conn}
+        for ready in select.select([listener, *clients], [], [], 0.05)[0]:
+            if ready is listener:
+                pid, conn = _accept(listener, base, made)
+                if pid:
+                    children[pid] = conn
+                else:
+                    conn.close()
+            elif not ready.recv(1):  # the client hung up: its child goes too
+                _kill_session(clients[ready])
+                children[clients[ready]] = None
+                ready.close()
         for pid in list(children):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 conn = children.pop(pid)
-                code = os.waitstatus_to_exitcode(status)
-                with contextlib.suppress(OSError):
-                    conn.sendall(f"{code}\n".encode())
-                conn.close()
+                if conn:
+                    with contextlib.suppress(OSError):
+                        conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                    conn.close()
 
 
 class Zygote:
@@ -164,26 +259,38 @@ class Zygote:
             time.sleep(0.05)
         return True
 
-    def takes(self, env: dict) -> bool:
-        """Whether a command with this environment can run here."""
-        ignored = {"PYTEST_CURRENT_TEST"}
-        differ = set(env.items()) ^ set(self.env.items())
-        return not {key for key, _ in differ} - ignored and self.ready()
+    def worker_command(self) -> list[str]:
+        """What torchrun runs (``--no-python``) before ``SCRIPT ARGS`` to fork
+        its workers here."""
+        return [
+            sys.executable,
+            "-S",
+            os.path.abspath(__file__),
+            "--worker",
+            self.address,
+        ]
 
     def run(self, argv: list[str], timeout: float, env: dict, kill_tree):
-        """``python ARGV``: (exit status or None on time-out, stdout, stderr).
+        """``python ARGV``: (exit status or None on time-out, stdout, stderr),
+        or None where the zygote will not run it (its environment).
 
         On time-out ``kill_tree(pid)`` stops the command and all it started.
         """
+        if not self.ready():
+            return None
         out, err = (os.path.join(self.folder, f"{n}.{time.time_ns()}") for n in "oe")
         for path in (out, err):
             open(path, "w").close()
         request = dict(argv=argv, cwd=self.cwd, env=env, out=out, err=err)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(self.address)
+            sock.sendall(b"c")
             sock.sendall((json.dumps(request) + "\n").encode())
             answers = sock.makefile()
-            pid = int(answers.readline())
+            answer = answers.readline().strip()
+            if not answer.isdigit():
+                return None
+            pid = int(answer)
             sock.settimeout(timeout)
             code = None
             try:
@@ -201,5 +308,39 @@ class Zygote:
         return code, texts[0], texts[1]
 
 
+def worker(address: str, argv: list[str]) -> None:
+    """torchrun's worker ``python -u ARGV``, forked from the zygote at
+    ``address``: this client passes the signals it gets on to the worker's
+    session, and ends as the worker ended."""
+    request = dict(argv=argv, cwd=os.getcwd(), env=dict(os.environ))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(address)
+        socket.send_fds(sock, [b"w"], [0, 1, 2])
+        sock.sendall((json.dumps(request) + "\n").encode())
+        answers = sock.makefile()
+        pid = answers.readline().strip()
+    except OSError:  # the zygote is gone
+        pid = ""
+    if not pid.isdigit():
+        os.execv(sys.executable, [sys.executable, "-u", *argv])
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(int(pid), signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(signum, forward)
+    answer = answers.readline().strip()
+    code = int(answer) if answer else 1  # no answer: the zygote is gone
+    if code < 0:  # killed by a signal: so is this process
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    if sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3:])
+    else:
+        serve(sys.argv[1])
