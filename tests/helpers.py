@@ -157,7 +157,8 @@ _zygote: list[Zygote] = []
 _WORKER_ENV = dict(os.environ)
 
 
-def _the_zygote() -> Zygote:
+def the_zygote() -> Zygote:
+    """This pytest worker's zygote (tests/zygote.py), started at its first use."""
     if not _zygote:
         _zygote.append(Zygote(REPO, _WORKER_ENV))
     return _zygote[0]
@@ -168,7 +169,7 @@ def run_python(argv: list[str], timeout: float = 300, env: dict | None = None):
     forked from this worker's preloaded zygote (tests/zygote.py: no seconds
     of imports) where the environment allows, else in a new interpreter."""
     full_env = {**os.environ, **(env or {})}
-    done = _the_zygote().run(argv, timeout, full_env, kill_tree)
+    done = the_zygote().run(argv, timeout, full_env, kill_tree)
     if done is None:
         return run_command([sys.executable, *argv], timeout=timeout, env=env)
     code, out, err = done
@@ -186,7 +187,7 @@ def torchrun(nproc: int, *args: str, timeout: float = 300):
     """``torchrun --standalone --nproc_per_node=N tools/train_net.py ARGS``;
     its workers, too, are forked from the zygote where it can run them."""
     argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    workers = ["--no-python", *_the_zygote().worker_command()]
+    workers = ["--no-python", *the_zygote().worker_command()]
     return run_python([*argv, *workers, TRAIN_NET, *args], timeout)
 
 

@@ -29,7 +29,8 @@ zygote refuses it, or is gone, the client becomes ``python -u SCRIPT ARGS``.
 The protocol, one connection per command: the client sends a byte, with its
 descriptors 0, 1 and 2 for a worker, then a JSON line (``argv``, ``cwd``,
 ``env``; ``out``, ``err``: file paths for a command); the zygote answers the
-child's pid (``new`` for a command it will not fork), then its exit status, a
+child's pid (``new`` and the variables that differ, for a command it will
+not fork), then its exit status, a
 line each. A child whose client hangs up first is killed with its session.
 """
 
@@ -81,8 +82,21 @@ TORCHRUN_SETS = frozenset(
         "MASTER_PORT",
     ]
 )
-# Set by the tests (pytest) or torchrun (its TORCHELASTIC_ and NCCL ones).
-IGNORED = ("PYTEST_CURRENT_TEST", "TORCHELASTIC_", "TORCH_NCCL_")
+# Read when a run starts, never at import, and set in the pytest worker by
+# what it ran in-process, so that they would otherwise send every later
+# command to a new interpreter: pytest's; torchrun's (its TORCHELASTIC_ and
+# NCCL ones); the engine's (CUBLAS_WORKSPACE_CONFIG for determinism,
+# KINETO_LOG_LEVEL before the profiler starts); importing DeepSpeed's
+# (PYTORCH_NVML_BASED_CUDA_CHECK) and MLflow's (its telemetry session).
+IGNORED = (
+    "PYTEST_CURRENT_TEST",
+    "TORCHELASTIC_",
+    "TORCH_NCCL_",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "KINETO_LOG_LEVEL",
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "_MLFLOW_TELEMETRY_SESSION_ID",
+)
 
 
 def differ(env: dict, base: dict, made: set[str]) -> set[str]:
@@ -169,7 +183,7 @@ def _accept(
     request = json.loads(conn.makefile().readline())
     unlike = differ(request["env"], base, made) - (TORCHRUN_SETS if fds else set())
     if unlike:  # a command this interpreter cannot stand for
-        conn.sendall(b"new\n")
+        conn.sendall(f"new {' '.join(sorted(unlike))}\n".encode())
         pid = 0
     else:
         pid = os.fork()
@@ -233,6 +247,7 @@ class Zygote:
 
     def __init__(self, cwd: str, env: dict):
         self.cwd, self.env = cwd, dict(env)
+        self.refused: list[str] = []  # the variables of its last refusal
         self.folder = tempfile.mkdtemp(prefix="zygote-")
         self.address = os.path.join(self.folder, "socket")
         self.proc = subprocess.Popen(
@@ -289,6 +304,7 @@ class Zygote:
             answers = sock.makefile()
             answer = answers.readline().strip()
             if not answer.isdigit():
+                self.refused = answer.split()[1:]
                 return None
             pid = int(answer)
             sock.settimeout(timeout)

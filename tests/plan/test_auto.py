@@ -9,13 +9,13 @@ import os
 import re
 
 import pytest
+from helpers import FAST, TINY, assert_ok, read_metrics, read_text, train_net
 
 from distribuuuu.config import load_cfg
 from distribuuuu.engine.specs import strategy_spec
 from distribuuuu.errors import ConfigError
 from distribuuuu.plan import auto
 from distribuuuu.plan.candidate import OFFLOAD_OPTIMIZER, Candidate
-from tests.helpers import FAST, TINY, assert_ok, read_metrics, read_text, train_net
 
 LINE = re.compile(r"predicted peak (\d+) MiB, measured (\d+) MiB")
 
