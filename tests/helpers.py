@@ -18,6 +18,7 @@ import sys
 import time
 import traceback
 import urllib.request
+import warnings
 
 import pytest
 import torch
@@ -171,6 +172,13 @@ def run_python(argv: list[str], timeout: float = 300, env: dict | None = None):
     full_env = {**os.environ, **(env or {})}
     done = the_zygote().run(argv, timeout, full_env, kill_tree)
     if done is None:
+        if leaked := set(_zygote[0].refused) - set(env or {}):
+            warnings.warn(
+                f"the zygote refused a command for {sorted(leaked)}, set in this "
+                "pytest worker: a new interpreter runs it (read only at run time? "
+                "then add it to IGNORED in tests/zygote.py)",
+                stacklevel=2,
+            )
         return run_command([sys.executable, *argv], timeout=timeout, env=env)
     code, out, err = done
     if code is None:

@@ -86,7 +86,8 @@ TORCHRUN_SETS = frozenset(
 # what it ran in-process, so that they would otherwise send every later
 # command to a new interpreter: pytest's; torchrun's (its TORCHELASTIC_ and
 # NCCL ones); the engine's (CUBLAS_WORKSPACE_CONFIG for determinism,
-# KINETO_LOG_LEVEL before the profiler starts); importing DeepSpeed's
+# KINETO_LOG_LEVEL before the profiler starts); inductor's, compiling (a
+# pointer its compiled code reads); importing DeepSpeed's
 # (PYTORCH_NVML_BASED_CUDA_CHECK) and MLflow's (its telemetry session).
 IGNORED = (
     "PYTEST_CURRENT_TEST",
@@ -95,6 +96,7 @@ IGNORED = (
     "CUBLAS_WORKSPACE_CONFIG",
     "KINETO_LOG_LEVEL",
     "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
     "_MLFLOW_TELEMETRY_SESSION_ID",
 )
 
