@@ -88,7 +88,8 @@ TORCHRUN_SETS = frozenset(
 # NCCL ones); the engine's (CUBLAS_WORKSPACE_CONFIG for determinism,
 # KINETO_LOG_LEVEL before the profiler starts); inductor's, compiling (a
 # pointer its compiled code reads); importing DeepSpeed's
-# (PYTORCH_NVML_BASED_CUDA_CHECK) and MLflow's (its telemetry session).
+# (PYTORCH_NVML_BASED_CUDA_CHECK) and MLflow's (its telemetry session, and
+# the HTTP retries reporting/remote_trackers.py bounds).
 IGNORED = (
     "PYTEST_CURRENT_TEST",
     "TORCHELASTIC_",
@@ -98,6 +99,7 @@ IGNORED = (
     "PYTORCH_NVML_BASED_CUDA_CHECK",
     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
     "_MLFLOW_TELEMETRY_SESSION_ID",
+    "MLFLOW_HTTP_REQUEST_",
 )
 
 
