@@ -170,9 +170,10 @@ def run_python(argv: list[str], timeout: float = 300, env: dict | None = None):
     forked from this worker's preloaded zygote (tests/zygote.py: no seconds
     of imports) where the environment allows, else in a new interpreter."""
     full_env = {**os.environ, **(env or {})}
-    done = the_zygote().run(argv, timeout, full_env, kill_tree)
+    zygote = the_zygote()
+    done = zygote.run(argv, timeout, full_env, kill_tree)
     if done is None:
-        if leaked := set(_zygote[0].refused) - set(env or {}):
+        if leaked := set(zygote.refused) - set(env or {}):
             warnings.warn(
                 f"the zygote refused a command for {sorted(leaked)}, set in this "
                 "pytest worker: a new interpreter runs it (read only at run time? "

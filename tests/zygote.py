@@ -30,8 +30,8 @@ The protocol, one connection per command: the client sends a byte, with its
 descriptors 0, 1 and 2 for a worker, then a JSON line (``argv``, ``cwd``,
 ``env``; ``out``, ``err``: file paths for a command); the zygote answers the
 child's pid (``new`` and the variables that differ, for a command it will
-not fork), then its exit status, a
-line each. A child whose client hangs up first is killed with its session.
+not fork), then its exit status, a line each. A child whose client hangs
+up first is killed with its session.
 """
 
 from __future__ import annotations
