@@ -4,9 +4,8 @@ share is in helpers.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
-import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,14 +19,6 @@ def pytest_configure(config) -> None:
     machine more threads would only wait for each other."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    # DeepSpeed compiles its CPU communication op at its first use on a CPU
-    # into torch's extension cache, whose default folder names the Python
-    # and CUDA versions but not the venv: two venvs (a clone's, the torch
-    # 2.11 one of .ci/run) would rebuild it over each other, minutes each.
-    venv = hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]
-    cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-    folder = os.path.join(cache, "torch_extensions", f"venv-{venv}")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", folder)
 
 
 # The skip reasons of tests that run on CUDA only.
@@ -51,6 +42,20 @@ def pytest_collection_modifyitems(config, items) -> None:
             "these tests skip without CUDA but lack @pytest.mark.cuda: "
             + ", ".join(unmarked)
         )
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_it_was() -> Iterator[None]:
+    """What a test sets in this process's environment (DeepSpeed's strategy
+    sets LOCAL_RANK, torch its run-time variables) ends with it: no later
+    test, and no run a later test starts, inherits it."""
+    saved = dict(os.environ)
+    yield
+    for name in os.environ.keys() - saved.keys():
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

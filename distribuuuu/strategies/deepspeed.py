@@ -125,24 +125,22 @@ def join_group(device: torch.device) -> None:
     torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
-def release_shm_buffers() -> None:
-    """Unlink this rank's shared-memory all-reduce buffer of DeepSpeed's CPU
-    communication op once every rank has mapped its peers' buffers.
+def skip_inference_all_reduce() -> None:
+    """Keep DeepSpeed from building and mapping its CPU shared-memory
+    all-reduce, which only its inference path calls.
 
-    DeepSpeed creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<master
-    address>_<master port>_<rank>`` (66 MB) in each process when all ranks
-    are local and ``LOCAL_SIZE`` is set (its launcher sets it) and never
-    unlinks it: every run left them in memory until a reboot.  Unlinked after
-    a barrier, they live on as mappings until the processes end, crashed or
-    not.  Call it on every rank, after ``deepspeed.init_distributed``.
+    On the CPU, ``deepspeed.init_distributed`` compiles that C++ op at a
+    venv's first run (about 2 minutes on 2 cores) and, when its launcher sets
+    ``LOCAL_SIZE``, creates a 66 MB ``/dev/shm`` buffer per rank that it never
+    removes.  DeepSpeed builds the op only where ``deepspeed.ops``'s table of
+    compatible ops says so; the table is kept, so marking the op incompatible
+    there lasts (tests/strategies/test_deepspeed.py checks that it does).
+    Training's collectives are torch's all the same.
     """
-    if du.get_world_size() > 1:
-        torch.distributed.barrier()  # every rank has opened every buffer
-    address = os.environ.get("MASTER_ADDR", "")
-    port = os.environ.get("MASTER_PORT", "")
-    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join("/dev/shm", name + str(du.get_rank())))
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 def _engine(model: nn.Module) -> Any:
@@ -211,11 +209,11 @@ class DeepSpeedStrategy(Strategy):
         """The DeepSpeed engine over ``model`` and our optimizer."""
         deepspeed = import_deepspeed(self.device)
         join_group(self.device)
+        if self.device.type == "cpu":
+            skip_inference_all_reduce()
         deepspeed.init_distributed(
             dist_backend=torch.distributed.get_backend(), dist_init_required=False
         )
-        if self.device.type == "cpu" and hasattr(os, "getuid"):
-            release_shm_buffers()
         if self.spec.syncbn and du.is_distributed():
             model = convert_syncbn(model, self.device)
         # The shapes of the whole model, to check loaded weights against (ZeRO
