@@ -92,7 +92,12 @@ def _predict(model: nn.Module, settings: dict, world: int) -> tuple[dict, dict]:
     flops = count_flops(functools.partial(build_model, arch, 10), size)
     counted = time.perf_counter()
     measured = calibrate(
-        model, flops, image_size=size, device=torch.device("cpu"), procs_per_node=world
+        model,
+        flops,
+        image_size=size,
+        device=torch.device("cpu"),
+        procs_per_node=world,
+        batch=settings["batch"],
     )
     done = time.perf_counter()
     cluster = measured.cluster(1, world)

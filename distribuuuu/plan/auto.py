@@ -183,6 +183,7 @@ def plan_here(cfg: CfgNode, info: du.LaunchInfo, device: torch.device) -> Planne
         image_size=cfg.TRAIN.IM_SIZE,
         device=device,
         procs_per_node=info.local_world_size,
+        batch=cfg.TRAIN.BATCH_SIZE,
         amp_dtype=run.amp_dtype,
     )
     del model

@@ -45,6 +45,9 @@ LINK_DIRECTIONS = 2
 # all-reduces take some tens of microseconds.  CPUs: gloo's took 1.5-2 ms
 # between 2 local ranks on our 2-core test machine (issue 35).
 PAPER_LATENCY_US = {"cuda": 20.0, "cpu": 1500.0}
+# The model's speed is the line through a pass of SMALL_BATCH images and one
+# of the run's micro-batch, or of as many images as take about LARGE_PASS_S.
+SMALL_BATCH, LARGE_PASS_S = 2, 0.5
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,10 @@ def measure_link(
     repeats: int = 5,
 ) -> Link | None:
     """Alpha and beta of the all-reduces of ``group`` (the world by
-    default), or None without a process group of more than one rank.  A
-    collective: every rank of the group calls it."""
+    default), or None without a process group of more than one rank: the
+    medians of ``repeats`` all-reduces of ``large_bytes`` and of 4 x as many
+    of one element (cheap, and a rank held up for a few of them does not
+    set the latency).  A collective: every rank of the group calls it."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     size = dist.get_world_size(group)
@@ -127,7 +132,7 @@ def measure_link(
     small = torch.zeros(1, device=device)
     large = torch.zeros(large_bytes // 4, device=device)
     dist.barrier(group=group)
-    alpha = _median_s(lambda: dist.all_reduce(small, group=group), device, repeats)
+    alpha = _median_s(lambda: dist.all_reduce(small, group=group), device, 4 * repeats)
     whole = _median_s(lambda: dist.all_reduce(large, group=group), device, repeats)
     alpha, whole = slowest([alpha, whole], device, group)
     moved = 2 * (size - 1) / size * large_bytes
@@ -224,45 +229,73 @@ def _train_pass(
     return timed
 
 
+def _warm_pass(
+    model: nn.Module,
+    batches: list[int],
+    image_size: int,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+) -> tuple[int, Callable[[], float]]:
+    """The first of ``batches`` whose pass fits in the device's memory, and
+    its pass, warmed up at that shape."""
+    for batch in batches:
+        try:
+            run = _train_pass(model, batch, image_size, device, amp_dtype)
+            run()
+            return batch, run
+        except torch.OutOfMemoryError:
+            for param in model.parameters():
+                param.grad = None
+            torch.cuda.empty_cache()
+    raise AssertionError("unreachable: the smallest batch fitted before")
+
+
 def measure_model_speed(
     model: nn.Module,
     flops_per_image: float,
     *,
     image_size: int,
     device: torch.device,
-    batches: tuple[int, int] = (2, 6),
+    batch: int = 6,
     amp_dtype: torch.dtype | None = None,
     budget_s: float = 0.3,
+    rounds: int = 3,
 ) -> tuple[float, float]:
     """The FLOP/s ``model`` (plain, on ``device``) achieves in its forward
-    and backward passes, and the seconds a pass takes beyond its FLOPs: the
-    line through the fastest of two passes at each of the two ``batches``
-    (``flops_per_image`` FLOPs an image), after a warm-up pass at each (the
-    allocator, cuDNN's autotuning).  Where a warm pass of the smaller batch
-    takes more than ``budget_s``, the model is large for the device and that
-    batch alone gives its speed (no overhead).  The model is left as it was."""
-    small, large = batches
+    and backward passes, and the seconds a pass takes beyond its FLOPs
+    (``flops_per_image`` FLOPs an image): the line through a pass of
+    :data:`SMALL_BATCH` images and one of ``batch`` (the run's micro-batch),
+    warmed up, then timed in turn for ``rounds`` rounds, each round giving
+    a slope and the median slope counting (a machine whose speed drifts
+    touches both passes of a round alike).  The time an image takes grows
+    with the batch on a CPU (vit_tiny_patch4 at 32 px: about 12% more at 32
+    than between 2 and 6), so the line ends at the run's batch, or at the
+    largest whose pass takes about :data:`LARGE_PASS_S` (at 3 x SMALL_BATCH
+    where the device's memory holds no more).  Where a warm pass of the
+    small batch takes more than ``budget_s``, the model is large for the
+    device and that batch alone gives its speed (no overhead).  The model
+    is left as it was."""
     was_training = model.training
     with _left_as_it_was(model, device):
         model.train()
         try:
-            passes = [
-                _train_pass(model, batch, image_size, device, amp_dtype)
-                for batch in batches
-            ]
-            passes[0]()  # warm-up: the allocator, oneDNN's or cuDNN's choices
-            if (first := passes[0]()) > budget_s:
-                return flops_per_image * small / first, 0.0
-            passes[1]()
-            t_small, t_large = (min(run() for _ in range(2)) for run in passes)
+            small = _train_pass(model, SMALL_BATCH, image_size, device, amp_dtype)
+            small()  # warm-up: the allocator, oneDNN's or cuDNN's choices
+            if (first := small()) > budget_s:
+                return flops_per_image * SMALL_BATCH / first, 0.0
+            affordable = int(LARGE_PASS_S * SMALL_BATCH / first)
+            least = 3 * SMALL_BATCH
+            batches = [max(min(batch, affordable), least), least]
+            large, run = _warm_pass(model, batches, image_size, device, amp_dtype)
+            pairs = [(small(), run()) for _ in range(rounds)]
         finally:
             model.train(was_training)
-    per_image = (t_large - t_small) / (large - small)
-    if per_image <= 0:  # too noisy to tell: all of it is compute
-        per_image, overhead = max(t_large / large, t_small / small), 0.0
-    else:
-        overhead = max(t_small - per_image * small, 0.0)
-    return flops_per_image / per_image, overhead
+    slope = statistics.median((b - a) / (large - SMALL_BATCH) for a, b in pairs)
+    t_small = statistics.median(a for a, _ in pairs)
+    if slope <= 0:  # too noisy to tell: all of it is compute
+        t_large = statistics.median(b for _, b in pairs)
+        return flops_per_image / max(t_large / large, t_small / SMALL_BATCH), 0.0
+    return flops_per_image / slope, max(t_small - slope * SMALL_BATCH, 0.0)
 
 
 def measure_optimizer_s(
@@ -309,18 +342,20 @@ def measure_device(
     *,
     image_size: int,
     device: torch.device,
+    batch: int,
     amp_dtype: torch.dtype | None = None,
 ) -> DeviceSpeed:
     """The speed of ``device`` on ``model`` (plain, on ``device``, left as
-    it was; ``flops``: its count), without a process group: what
-    :func:`calibrate` measures on every rank, and what ``tools/plan.py
-    --device cpu`` measures of this machine's CPU."""
+    it was; ``flops``: its count; ``batch``: the run's micro-batch), without
+    a process group: what :func:`calibrate` measures on every rank, and what
+    ``tools/plan.py --device cpu`` measures of this machine's CPU."""
     peak = device_peak_flops(device, amp_dtype, flops.conv_share)
     achieved, overhead = measure_model_speed(
         model,
         flops.per_image,
         image_size=image_size,
         device=device,
+        batch=batch,
         amp_dtype=amp_dtype,
     )
     optimizer = measure_optimizer_s(flops.parameters, device)
@@ -334,18 +369,27 @@ def calibrate(
     image_size: int,
     device: torch.device,
     procs_per_node: int,
+    batch: int,
     amp_dtype: torch.dtype | None = None,
 ) -> Calibration:
     """Measure the live machine (a collective: every rank calls it).
 
     ``model``: the plain model on ``device``, left as it was; ``flops``: its
-    count.  Every rank measures its device (:func:`measure_device`) and the
-    slowest figures are kept.  The world's all-reduces give the link between
-    nodes (a ring crosses each node's link once) and, on one node, the link
-    within it; across nodes the nodes' own groups give the link within one.
+    count; ``batch``: the run's micro-batch under ddp.  Every rank measures
+    its device (:func:`measure_device`) and the slowest figures are kept.
+    The world's all-reduces give the link between nodes (a ring crosses each
+    node's link once) and, on one node, the link within it; across nodes the
+    nodes' own groups give the link within one.
     """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # the ranks measure side by side, as they will train
     speed = measure_device(
-        model, flops, image_size=image_size, device=device, amp_dtype=amp_dtype
+        model,
+        flops,
+        image_size=image_size,
+        device=device,
+        batch=batch,
+        amp_dtype=amp_dtype,
     )
     per_flop, overhead, optimizer, sharded = slowest(
         [

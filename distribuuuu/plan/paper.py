@@ -184,6 +184,7 @@ class PaperRun:
                 self.flops,
                 image_size=self.cfg.TRAIN.IM_SIZE,
                 device=torch.device("cpu"),
+                batch=self.cfg.TRAIN.BATCH_SIZE,
                 amp_dtype=self.amp_dtype,
             )
         finally:

@@ -7,9 +7,15 @@ import functools
 
 import pytest
 import torch
+from torch import nn
 
 from distribuuuu.models import build_model
-from distribuuuu.plan.calibrate import DeviceSpeed, calibrate, paper_calibration
+from distribuuuu.plan.calibrate import (
+    DeviceSpeed,
+    calibrate,
+    measure_model_speed,
+    paper_calibration,
+)
 from distribuuuu.plan.flops import count_flops
 
 
@@ -22,7 +28,12 @@ def test_calibrating_leaves_the_model_as_it_was():
     rng = torch.get_rng_state()
     flops = count_flops(functools.partial(build_model, "resnet8", 10), 28)
     measured = calibrate(
-        model, flops, image_size=28, device=torch.device("cpu"), procs_per_node=1
+        model,
+        flops,
+        image_size=28,
+        device=torch.device("cpu"),
+        procs_per_node=1,
+        batch=8,
     )
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -77,3 +88,33 @@ def test_a_cpu_on_paper_runs_as_fast_as_this_one_was_measured():
     assert cluster.flops_per_s == pytest.approx(30e9)
     assert (cluster.overhead_s, paper.optimizer_s) == (0.01, 0.02)
     assert not cluster.overlap and cluster.host is None
+
+
+class _Sized(nn.Module):
+    """A linear model that records the batches it sees and, like a device
+    that holds no more, runs out of memory above ``most`` images."""
+
+    def __init__(self, most: int):
+        super().__init__()
+        self.layer, self.most, self.seen = nn.Linear(48, 10), most, []
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self.seen.append(len(images))
+        if len(images) > self.most:
+            raise torch.OutOfMemoryError("out of memory (a test's device)")
+        return self.layer(images.flatten(1))
+
+
+@pytest.mark.parametrize("most, largest", [(64, 32), (8, 6)])
+def test_the_speed_is_measured_up_to_the_run_s_batch_where_memory_holds_it(
+    most, largest
+):
+    """The line ends at the run's micro-batch (32), where the time an image
+    takes is the run's; a device without memory for it ends it at 6."""
+    model = _Sized(most)
+    flops_per_s, overhead = measure_model_speed(
+        model, 1e6, image_size=4, device=torch.device("cpu"), batch=32
+    )
+    assert flops_per_s > 0 and overhead >= 0
+    assert max(b for b in model.seen if b <= most) == largest
+    assert all(p.grad is None for p in model.parameters())
