@@ -89,7 +89,8 @@ TORCHRUN_SETS = frozenset(
 # KINETO_LOG_LEVEL before the profiler starts); inductor's, compiling (a
 # pointer its compiled code reads); importing DeepSpeed's
 # (PYTORCH_NVML_BASED_CUDA_CHECK) and MLflow's (its telemetry session, and
-# the HTTP retries reporting/remote_trackers.py bounds).
+# the HTTP retries reporting/remote_trackers.py bounds).  W&B's, which the
+# tracker tests set: the zygote does not import W&B, its children do.
 IGNORED = (
     "PYTEST_CURRENT_TEST",
     "TORCHELASTIC_",
@@ -100,6 +101,7 @@ IGNORED = (
     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
     "_MLFLOW_TELEMETRY_SESSION_ID",
     "MLFLOW_HTTP_REQUEST_",
+    "WANDB_",
 )
 
 
