@@ -361,6 +361,7 @@ def _fake_deepspeed(cuda: FakeCuda, seen: dict) -> types.ModuleType:
 
     module.initialize = initialize
     module.init_distributed = lambda dist_backend, dist_init_required: None
+    module.ops = types.SimpleNamespace(__compatible_ops__={})
     return module
 
 

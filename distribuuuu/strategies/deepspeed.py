@@ -125,8 +125,12 @@ def join_group(device: torch.device) -> None:
     torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
-def skip_inference_all_reduce() -> None:
-    """Keep DeepSpeed from building and mapping its CPU shared-memory
+# DeepSpeed's name of its CPU shared-memory all-reduce op (ShareMemCommBuilder).
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def skip_inference_all_reduce(deepspeed: Any) -> None:
+    """Keep ``deepspeed`` from building and mapping its CPU shared-memory
     all-reduce, which only its inference path calls.
 
     On the CPU, ``deepspeed.init_distributed`` compiles that C++ op at a
@@ -137,10 +141,7 @@ def skip_inference_all_reduce() -> None:
     there lasts (tests/strategies/test_deepspeed.py checks that it does).
     Training's collectives are torch's all the same.
     """
-    import deepspeed.ops
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
-    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
 def _engine(model: nn.Module) -> Any:
@@ -210,7 +211,7 @@ class DeepSpeedStrategy(Strategy):
         deepspeed = import_deepspeed(self.device)
         join_group(self.device)
         if self.device.type == "cpu":
-            skip_inference_all_reduce()
+            skip_inference_all_reduce(deepspeed)
         deepspeed.init_distributed(
             dist_backend=torch.distributed.get_backend(), dist_init_required=False
         )

@@ -356,9 +356,12 @@ def test_deepspeed_builds_no_shared_memory_all_reduce_on_the_cpu():
     minutes and a /dev/shm buffer per rank) is not built: deepspeed.comm asks
     deepspeed.ops's table of compatible ops, where the strategy marks it off.
     A DeepSpeed release that decides elsewhere fails here, naming it."""
-    deepspeed_strategy.import_deepspeed(torch.device("cpu"))
-    deepspeed_strategy.skip_inference_all_reduce()
+    deepspeed = deepspeed_strategy.import_deepspeed(torch.device("cpu"))
+    deepspeed_strategy.skip_inference_all_reduce(deepspeed)
     from deepspeed.comm.torch import build_shm_op
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    assert ShareMemCommBuilder.NAME == deepspeed_strategy.SHM_COMM_OP
 
     assert build_shm_op() is None, (
         "DeepSpeed no longer asks deepspeed.ops.__compatible_ops__ before it "
