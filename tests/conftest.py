@@ -1,6 +1,6 @@
-"""pytest hooks: one torch thread per process; the namespaced nodes of the
-multi-node tests (the markers are registered in .pytest.ini; what the tests
-share is in helpers.py)."""
+"""pytest hooks: one torch thread per process; each test's environment
+restored after it; the namespaced nodes of the multi-node tests (the markers
+are registered in .pytest.ini; what the tests share is in helpers.py)."""
 
 from __future__ import annotations
 
