@@ -53,6 +53,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.optim  # noqa: F401  (before the audits patch torch)
 import torch.nn.functional as F
 from device_audit import CONTROL, WORLD, CollectiveAudit, fake_rank, fsdp_on_meta
 from fake_devices import FakeCuda, GpuShyLinear
@@ -68,6 +69,9 @@ from distribuuuu.reporting.meters import MetricSums
 from distribuuuu.strategies import base, build_strategy, dp, pipeline
 from distribuuuu.strategies.chain import split_tensors, wrap
 
+# torch.distributed.optim is imported above, before any audit patches torch:
+# on torch 2.11 its import scripts the functional optimizers, and TorchScript
+# fails on the patched names (the zero1 audit failed first in its process).
 WORLD_SIZE = 4
 META = torch.device("meta")
 BATCH = 8
