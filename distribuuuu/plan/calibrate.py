@@ -237,17 +237,19 @@ def _warm_pass(
     amp_dtype: torch.dtype | None,
 ) -> tuple[int, Callable[[], float]]:
     """The first of ``batches`` whose pass fits in the device's memory, and
-    its pass, warmed up at that shape."""
+    its pass, warmed up at that shape (the last one's error where none fits)."""
     for batch in batches:
         try:
             run = _train_pass(model, batch, image_size, device, amp_dtype)
             run()
             return batch, run
         except torch.OutOfMemoryError:
+            if batch == batches[-1]:
+                raise
             for param in model.parameters():
                 param.grad = None
             torch.cuda.empty_cache()
-    raise AssertionError("unreachable: the smallest batch fitted before")
+    raise ValueError("no batches to try")
 
 
 def measure_model_speed(
@@ -256,7 +258,7 @@ def measure_model_speed(
     *,
     image_size: int,
     device: torch.device,
-    batch: int = 6,
+    batch: int,
     amp_dtype: torch.dtype | None = None,
     budget_s: float = 0.3,
     rounds: int = 3,
