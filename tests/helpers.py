@@ -122,10 +122,14 @@ def process_table() -> list[tuple[int, int, int, str]]:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process started by ``pid``, directly or not."""
+    """Every process started by ``pid``, directly or not: a worker forked by
+    this pytest worker's zygote counts as its client's child (tests/zygote.py)."""
     children: dict[int, list[int]] = {}
     for child, parent, _, _ in process_table():
         children.setdefault(parent, []).append(child)
+    if _zygote:
+        for client, child in _zygote[0].workers().items():
+            children.setdefault(client, []).append(child)
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -192,12 +196,31 @@ def train_net(*args: str, timeout: float = 300, env: dict | None = None):
     return run_python([TRAIN_NET, *args], timeout=timeout, env=env)
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 300):
-    """``torchrun --standalone --nproc_per_node=N tools/train_net.py ARGS``;
-    its workers, too, are forked from the zygote where it can run them."""
+def torchrun_argv(nproc: int, args: list[str], *options: str) -> list[str]:
+    """``-m torch.distributed.run --standalone --nproc_per_node=N OPTIONS
+    tools/train_net.py ARGS``, whose workers are forked from the zygote where
+    it can run them."""
     argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     workers = ["--no-python", *the_zygote().worker_command()]
-    return run_python([*argv, *workers, TRAIN_NET, *args], timeout)
+    return [*argv, *options, *workers, TRAIN_NET, *args]
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 300):
+    """``torchrun --standalone --nproc_per_node=N tools/train_net.py ARGS``;
+    it, and its workers, forked from the zygote where it can run them."""
+    return run_python(torchrun_argv(nproc, list(args)), timeout)
+
+
+def python_command(argv: list[str]) -> list[str]:
+    """A command for :func:`start` that is ``python ARGV``: a client whose
+    process is forked from this worker's zygote (tests/zygote.py), which
+    passes on the signals it gets and ends as that process ends, or a new
+    interpreter where the zygote will not run it.  :func:`kill_session`,
+    :func:`descendants` and :func:`worker_pid` see through the client."""
+    zygote = the_zygote()
+    if not zygote.ready():
+        return [sys.executable, *argv]
+    return [*zygote.worker_command(), *argv]
 
 
 def import_tool(name: str):
@@ -444,7 +467,8 @@ def worker_pid(torchrun_pid: int, rank: int) -> int:
             continue
         is_worker = TRAIN_NET in cmdline and "torch.distributed.run" not in cmdline
         if is_worker and f"RANK={rank}".encode() in environ:
-            return pid
+            # A zygote's client: the worker is the process forked for it.
+            return the_zygote().workers().get(pid, pid)
     raise AssertionError(f"no rank {rank} worker found under {torchrun_pid}")
 
 
@@ -483,18 +507,11 @@ KILLED_RUN = [
 
 
 def launch_command(nproc: int, args: list[str]) -> list[str]:
-    """``train_net.py ARGS`` on one process, or under torchrun on ``nproc``."""
+    """``train_net.py ARGS`` on one process, or under torchrun on ``nproc``,
+    for :func:`start` (:func:`python_command`)."""
     if nproc == 1:
-        return [sys.executable, TRAIN_NET, *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        TRAIN_NET,
-        *args,
-    ]
+        return python_command([TRAIN_NET, *args])
+    return python_command(torchrun_argv(nproc, args))
 
 
 def final_model(out_dir: str) -> dict:

@@ -8,16 +8,13 @@ no traceback may reach the terminal unless ``--debug`` asks for it.
 from __future__ import annotations
 
 import importlib.util
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-from helpers import error_line
+from helpers import error_line, run_python
 
 from distribuuuu import cli
 from distribuuuu.errors import ConfigError
@@ -201,12 +198,8 @@ def _tool_cases(weights: Path, image: Path, tmp: Path) -> dict:
 @pytest.mark.parametrize("name", ["train_net", "export", "inspect_ckpt", "predict"])
 def test_every_tool_ends_in_one_error_line(name, debug, plain_weights, image, tmp_path):
     argv, code, words = _tool_cases(plain_weights, image, tmp_path)[name]
-    cmd = [sys.executable, str(REPO / "tools" / f"{name}.py"), *argv]
-    if debug:
-        cmd.insert(2, "--debug")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("RANK", None)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    flags = ["--debug"] if debug else []
+    result = run_python([str(REPO / "tools" / f"{name}.py"), *flags, *argv], 120)
     assert result.returncode == code, result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: "), result.stderr

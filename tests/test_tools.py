@@ -11,7 +11,6 @@ import io
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from helpers import (
     assert_ok,
     error_line,
     read_metrics,
-    run_command,
+    run_python,
     train_net,
 )
 from PIL import Image
@@ -54,9 +53,7 @@ DIGITS = range(6)  # the classes of the images that predict.py is given
 
 def tool(name: str, *args: str):
     """``python tools/NAME ARGS`` as a user runs it."""
-    return run_command(
-        [sys.executable, os.path.join(REPO, "tools", name), *args], timeout=120
-    )
+    return run_python([os.path.join(REPO, "tools", name), *args], timeout=120)
 
 
 @pytest.fixture(scope="module")

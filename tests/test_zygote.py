@@ -8,7 +8,16 @@ import sys
 import time
 
 import pytest
-from helpers import run_command, run_python, the_zygote
+from helpers import (
+    descendants,
+    kill_session,
+    process_table,
+    python_command,
+    run_command,
+    run_python,
+    start,
+    the_zygote,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +37,8 @@ if what == "wait":  # rank 0 fails, rank 1 waits for a signal
     if os.environ["RANK"] == "0":
         sys.exit(3)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(print("rank 1: SIGTERM")))
+    time.sleep(300)
+if what == "sleep":
     time.sleep(300)
 sys.exit(int(what) if what.isdigit() else 0)
 """
@@ -88,3 +99,22 @@ def test_torchrun_stops_a_forked_worker_with_sigterm(script):
     assert "preloaded True 1" in result.stdout
     assert "rank 1: SIGTERM" in result.stdout
     assert time.monotonic() - tic < 60
+
+
+def test_a_started_run_is_killed_whole_its_forked_workers_included(script):
+    """helpers.python_command: torchrun and its 2 workers, each forked for a
+    client; the tests' process walks see each as its client's child, so that
+    kill_session ends them all (as the tests' SIGKILLs mid-run need)."""
+    proc = start(python_command([*_workers(), script, "sleep"]))
+    try:
+        deadline = time.monotonic() + 60
+        while len(forked := the_zygote().workers()) < 3:  # torchrun, 2 ranks
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert set(forked.values()) <= set(descendants(proc.pid))
+    finally:
+        kill_session(proc)
+    deadline = time.monotonic() + 10
+    while set(forked.values()) & {p for p, _, _, s in process_table() if s != "Z"}:
+        assert time.monotonic() < deadline, "a forked process outlived the kill"
+        time.sleep(0.05)

@@ -25,6 +25,10 @@ client's stdin, stdout, stderr, directory and environment, forwards the
 signals torchrun sends it, and ends as the worker ended. Its environment may
 differ from the zygote's in the variables torchrun sets too; where the
 zygote refuses it, or is gone, the client becomes ``python -u SCRIPT ARGS``.
+The tests start commands they signal or kill mid-run the same way
+(helpers.python_command). While a worker lives, the zygote's folder holds
+``PID.worker``, naming its client, so that the tests' walks of the process
+tree (helpers.descendants) see the worker as the client's child.
 
 The protocol, one connection per command: the client sends a byte, with its
 descriptors 0, 1 and 2 for a worker, then a JSON line (``argv``, ``cwd``,
@@ -48,6 +52,7 @@ import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -90,7 +95,8 @@ TORCHRUN_SETS = frozenset(
 # pointer its compiled code reads); importing DeepSpeed's
 # (PYTORCH_NVML_BASED_CUDA_CHECK) and MLflow's (its telemetry session, and
 # the HTTP retries reporting/remote_trackers.py bounds).  W&B's, which the
-# tracker tests set: the zygote does not import W&B, its children do.
+# tracker tests set: the zygote does not import W&B, its children do.  The
+# terminal's COLUMNS, which the live bar reads as it draws.
 IGNORED = (
     "PYTEST_CURRENT_TEST",
     "TORCHELASTIC_",
@@ -102,6 +108,7 @@ IGNORED = (
     "_MLFLOW_TELEMETRY_SESSION_ID",
     "MLFLOW_HTTP_REQUEST_",
     "WANDB_",
+    "COLUMNS",
 )
 
 
@@ -197,10 +204,21 @@ def _accept(
             listener.close()
             conn.close()
             _child(request, fds)
+        if fds:  # the tests' process walks see the worker as its client's child
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            record = _record(listener, pid)
+            with open(f"{record}.tmp", "w", encoding="utf-8") as f:
+                f.write(str(struct.unpack("3i", creds)[0]))
+            os.replace(f"{record}.tmp", record)
         conn.sendall(f"{pid}\n".encode())
     for fd in fds:
         os.close(fd)
     return pid, conn
+
+
+def _record(listener: socket.socket, pid: int) -> str:
+    """The file that names the client of worker ``pid`` while it lives."""
+    return os.path.join(os.path.dirname(listener.getsockname()), f"{pid}.worker")
 
 
 def _kill_session(pid: int) -> None:
@@ -240,6 +258,8 @@ def serve(address: str) -> None:
         for pid in list(children):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
+                with contextlib.suppress(OSError):
+                    os.remove(_record(listener, pid))
                 conn = children.pop(pid)
                 if conn:
                     with contextlib.suppress(OSError):
@@ -290,6 +310,17 @@ class Zygote:
             "--worker",
             self.address,
         ]
+
+    def workers(self) -> dict[int, int]:
+        """client pid: worker pid, for each worker (:func:`worker`) that lives."""
+        found = {}
+        for name in os.listdir(self.folder):
+            pid, _, kind = name.partition(".")
+            with contextlib.suppress(OSError, ValueError):
+                if kind == "worker":
+                    with open(os.path.join(self.folder, name), encoding="utf-8") as f:
+                        found[int(f.read())] = int(pid)
+        return found
 
     def run(self, argv: list[str], timeout: float, env: dict, kill_tree):
         """``python ARGV``: (exit status or None on time-out, stdout, stderr),

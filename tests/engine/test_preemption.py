@@ -17,11 +17,13 @@ from helpers import (
     assert_ok,
     kill_session,
     process_table,
+    python_command,
     read_text,
     run_command,
     slurm_ready,
     start,
     torchrun,
+    torchrun_argv,
     worker_pid,
 )
 
@@ -166,10 +168,8 @@ def test_torchrun_restarts_a_killed_worker_and_ends_bitwise_identical(tmp_path):
             "CHECKPOINT.PERIOD_ITERS", "2", "CHECKPOINT.KEEP", "0"]  # fmt: skip
     reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
     assert_ok(torchrun(2, *args, "OUT_DIR", reference))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--max-restarts=1", "--nproc_per_node=2", TRAIN_NET, *args,
-           "OUT_DIR", killed]  # fmt: skip
-    proc = start(cmd)
+    restart = torchrun_argv(2, [*args, "OUT_DIR", killed], "--max-restarts=1")
+    proc = start(python_command(restart))
     try:
         first = os.path.join(killed, "checkpoints", "ckpt_ep_0000_it_0002.pth")
         deadline = time.time() + 240

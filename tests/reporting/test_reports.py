@@ -7,7 +7,6 @@ import csv
 import os
 import pty
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from helpers import (
     TRAIN_NET,
     assert_ok,
     kill_tree,
+    python_command,
     read_metrics,
     read_text,
     train_net,
@@ -45,7 +45,7 @@ def run_in_terminal(args: list[str], timeout: float = 120) -> tuple[int, str]:
     """Run train_net.py with a pseudo-terminal as its console; (exit code, output)."""
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, TRAIN_NET, *args],
+        python_command([TRAIN_NET, *args]),
         cwd=REPO,
         stdin=follower,
         stdout=follower,
