@@ -13,13 +13,12 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import TINY, call_main, train_net
+from helpers import TINY, call_main, run_python, train_net
 from PIL import Image
 from test_hostile import assert_one_error_line, snapshot
 
@@ -335,7 +334,7 @@ def test_real_commands_answer_a_crafted_checkpoint_in_one_line(kind, tmp_path):
     """As a user runs them: DCP logs a traceback of its own when it cannot read
     metadata; none may reach the console (the in-process cases above do not see
     the logging handlers torch made at import)."""
-    from helpers import REPO, run_command
+    from helpers import REPO
 
     marker = tmp_path / "code-ran"
     pth = crafted(kind, tmp_path, marker)
@@ -343,6 +342,6 @@ def test_real_commands_answer_a_crafted_checkpoint_in_one_line(kind, tmp_path):
     result = train_net(*TINY, "MODEL.WEIGHTS", str(pth), "OUT_DIR", str(out))
     assert "refused" in assert_one_error_line(result, 2, [str(pth)])
     tool = os.path.join(REPO, "tools", "inspect_ckpt.py")
-    result = run_command([sys.executable, tool, str(pth)], timeout=120)
+    result = run_python([tool, str(pth)], timeout=120)
     assert "refused" in assert_one_error_line(result, 2, [str(pth)])
     assert not marker.exists() and not out.exists()

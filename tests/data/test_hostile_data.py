@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_ok, run_command, train_net
+from helpers import assert_ok, run_command, run_python, train_net
 from PIL import Image
 from test_hostile import (
     LENET,
@@ -173,13 +173,13 @@ def test_two_self_links_do_not_hang_the_run(two_self_links, tmp_path):
     assert not out.exists()  # a dry run writes nothing
 
 
-@pytest.mark.slow  # a new interpreter importing torch
+@pytest.mark.slow
 def test_two_self_links_do_not_hang_predict(two_self_links, trained_out_dir):
     weights = str(trained_out_dir / "best.pth")
     folder = str(two_self_links / "train")
     tool = os.path.join(REPO, "tools", "predict.py")
-    cmd = [sys.executable, tool, "--weights", weights, "--device", "cpu", "--json"]
-    result = run_command([*cmd, folder], timeout=60)
+    cmd = [tool, "--weights", weights, "--device", "cpu", "--json"]
+    result = run_python([*cmd, folder], timeout=60)
     assert_ok(result)
     printed = [json.loads(line)["path"] for line in result.stdout.splitlines()]
     expected = sorted(str(p) for p in Path(folder).glob("c*/*.*"))

@@ -15,6 +15,7 @@ import pytest
 import torch
 from fake_devices import FakeCuda, GpuShyLinear
 from helpers import (
+    REPO,
     TINY_VAL_SIZE,
     TRAIN_NET,
     assert_ok,
@@ -24,6 +25,7 @@ from helpers import (
     read_metrics,
     refused,
     run_command,
+    run_python,
     torchrun,
     train_net,
 )
@@ -106,9 +108,7 @@ def test_a_checkpoint_of_2_ranks_goes_on_in_1_and_is_read_by_the_tools(
     )  # fmt: skip
     assert_ok(evaluated)
     assert f"loss {first['loss']:.4f}" in evaluated.stdout
-    inspected = run_command(
-        [sys.executable, "tools/inspect_ckpt.py", checkpoint], timeout=120
-    )
+    inspected = run_python([f"{REPO}/tools/inspect_ckpt.py", checkpoint], timeout=120)
     assert_ok(inspected)
     assert "lenet5" in inspected.stdout
     more = ["OPTIM.MAX_EPOCH", "2", "TRAIN.AUTO_RESUME", "True", *KEEP]
