@@ -232,7 +232,7 @@ def test_a_server_killed_mid_run_does_not_stop_training(server, tracked, tmp_pat
 
 
 def test_logging_never_waits_for_a_dead_server(tmp_path, caplog):
-    """Nothing listens on the tracking URI: every call returns at once, one
+    """Nothing listens on the tracking URI: no call waits for it, one
     warning, and closing waits only for MLflow's bounded retries."""
     cfg = get_cfg()
     cfg.OUT_DIR = str(tmp_path)
@@ -249,7 +249,10 @@ def test_logging_never_waits_for_a_dead_server(tmp_path, caplog):
         tic = time.perf_counter()
         writer.close()
         closing = time.perf_counter() - tic
-    assert slowest < 0.05, slowest
+    # A call that waited for the server would last MLflow's retries (a
+    # second try at once, a third 2 s later: MLFLOW_HTTP_DEFAULTS); a busy
+    # machine can hold any call for a second (1.1 s seen at pytest -n 2).
+    assert slowest < 1.5, slowest
     assert closing < 30, closing
     assert len(read_metrics(str(tmp_path))) == 200
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]

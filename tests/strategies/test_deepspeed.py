@@ -287,14 +287,15 @@ def test_a_profiler_json_is_refused_before_anything_is_written(tmp_path):
 
 
 def test_missing_deepspeed_is_named_with_its_extra(tmp_path):
-    """DeepSpeed made unimportable in a real interpreter running the command."""
+    """DeepSpeed made unimportable in the process running the command."""
     out = str(tmp_path / "out")
-    script = (
+    script = tmp_path / "without_deepspeed.py"
+    script.write_text(
         "import runpy, sys; sys.modules['deepspeed'] = None; "
         f"sys.argv = ['train_net.py', *{[*LENET, *DEEPSPEED, 'OUT_DIR', out]!r}]; "
         f"runpy.run_path({TRAIN_NET!r}, run_name='__main__')"
     )
-    result = run_command([sys.executable, "-c", script], timeout=120)
+    result = run_python([str(script)], timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "pip install -e '.[deepspeed]'" in result.stderr
     assert not os.path.exists(out)
