@@ -370,6 +370,29 @@ def run_on_ranks(world: int, fn, args: tuple, out_dir: str) -> list:
     ]
 
 
+def _launched(rank: int, world: int, port: int, fn, args: tuple, env: dict) -> None:
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    fn(*args)
+
+
+def run_launched(world: int, fn, args: tuple) -> None:
+    """``fn(*args)`` on ``world`` processes that have the environment torchrun
+    (and ``--num-procs``) gives its workers, no process group yet; forked from
+    the server of :func:`run_on_ranks`."""
+    mp.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
+    mp.start_processes(
+        _launched,
+        args=(world, free_port(), fn, args, dict(os.environ)),
+        nprocs=world,
+        join=True,
+        start_method="forkserver",
+    )
+
+
 def error_line(capsys) -> str:
     """The one stderr line a tool's ``main`` printed (nothing on stdout)."""
     captured = capsys.readouterr()

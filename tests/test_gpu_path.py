@@ -21,6 +21,7 @@ from helpers import (
     call_main,
     free_port,
     read_metrics,
+    run_launched,
     run_on_ranks,
     strategy_for,
     torchrun,
@@ -32,7 +33,6 @@ from distribuuuu import checkpoint as cp
 from distribuuuu.checkpoint import format as run_state
 from distribuuuu.config import get_cfg
 from distribuuuu.dist import group as du
-from distribuuuu.dist.spawn import spawn
 from distribuuuu.engine import session
 from distribuuuu.errors import DistributedSetupError, LaunchError
 from distribuuuu.strategies import precision
@@ -418,7 +418,7 @@ def test_side_group_that_cannot_form_names_gloo_socket_ifname(tmp_path):
 
 
 def _setup_with_a_failing_side_group(out_dir: str) -> None:
-    """setup_distributed (under spawn's torchrun-like environment) whose side
+    """setup_distributed (under torchrun's environment) whose side
     group cannot form; writes what this rank saw."""
     dist.get_backend_config = lambda group=None: "cuda:nccl"  # as over NCCL
 
@@ -439,7 +439,7 @@ def _setup_with_a_failing_side_group(out_dir: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_setup_that_fails_on_the_side_group_leaves_the_process_group(tmp_path):
-    spawn(2, _setup_with_a_failing_side_group, (str(tmp_path),))
+    run_launched(2, _setup_with_a_failing_side_group, (str(tmp_path),))
     for rank in (0, 1):
         seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert "Connect timeout" in seen["error"]
@@ -531,9 +531,9 @@ def _gloo_threads() -> list[str]:
 
 
 def _fsdp_step_then_release(out_dir: str, release: bool) -> None:
-    """An FSDP2 training step on gloo ranks (under spawn), then what a finished
-    run does: leave the group, drop the model, release the groups; writes the
-    gloo threads left."""
+    """An FSDP2 training step on gloo ranks (with torchrun's environment),
+    then what a finished run does: leave the group, drop the model, release
+    the groups; writes the gloo threads left."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -557,7 +557,7 @@ def _fsdp_step_then_release(out_dir: str, release: bool) -> None:
 def test_a_finished_fsdp_run_leaves_no_gloo_threads_behind(tmp_path, release):
     """Without the release, DTensor's caches keep the device mesh and its
     group, whose gloo threads then live on into interpreter exit."""
-    spawn(2, _fsdp_step_then_release, (str(tmp_path), release))
+    run_launched(2, _fsdp_step_then_release, (str(tmp_path), release))
     for rank in (0, 1):
         threads = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert bool(threads) is not release, threads
