@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 
 import pytest
-from helpers import REPO, assert_ok, run_command
+from helpers import REPO, assert_ok, run_python
 
 from distribuuuu.bench.pipeline_bubble import format_bubble, measure_bubble
 
@@ -27,9 +26,9 @@ SIDE_KEYS = {"median", "min", "max", "runs"}
 @pytest.mark.slow
 def test_short_benchmark_writes_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, f"{REPO}/tools/benchmark.py", "--short", "--threads", "1"]
+    cmd = [f"{REPO}/tools/benchmark.py", "--short", "--threads", "1"]
     cmd += ["--model", "resnet8", "--batch", "8", "--out", str(out)]
-    result = run_command(cmd, timeout=240)
+    result = run_python(cmd, timeout=240)
     assert_ok(result)
     rows = ("train_step", "train_step cpu", "eval", "data_pipeline", "startup")
     for row in (*rows, "startup beyond", "startup workers beyond", "stop check"):
