@@ -12,6 +12,7 @@ import inspect
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -52,6 +53,30 @@ def constructor_options(optimizer: torch.optim.Optimizer) -> dict:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
+def consolidate_on_rank_0(optimizer: ZeroRedundancyOptimizer) -> None:
+    """What ``optimizer.consolidate_state_dict(to=0)`` does, in one gather.
+
+    torch's own broadcasts each rank's shard to every rank and makes a tensor
+    of its pickled bytes through a Python sequence (``torch.ByteTensor`` of a
+    bytearray): about 0.1 s per MB here, 11 s of each save of AlexNet's SGD
+    momentum on 2 ranks, minutes for a large model's AdamW state.
+    ``dist.gather_object`` sends each shard, moved to the CPU, to rank 0 only.
+    Rank 0 keeps the shards where ``optimizer.state_dict()`` reads them, the
+    private ``_all_state_dicts`` (tests/strategies/test_parallel.py checks
+    that the result equals torch's consolidation).
+    """
+    local = optimizer.optim.state_dict()
+    local["state"] = {
+        index: {k: v.cpu() if torch.is_tensor(v) else v for k, v in state.items()}
+        for index, state in local["state"].items()
+    }
+    main = dist.get_rank() == 0
+    shards = [None] * dist.get_world_size() if main else None
+    dist.gather_object(local, shards, dst=0)
+    if main:
+        optimizer._all_state_dicts = shards  # type: ignore[attr-defined]
+
+
 @register
 class Zero1Strategy(DDPStrategy):
     """DDP with a ZeroRedundancyOptimizer."""
@@ -68,5 +93,5 @@ class Zero1Strategy(DDPStrategy):
         """The whole state, consolidated on rank 0 ({} elsewhere); a collective."""
         if not isinstance(optimizer, ZeroRedundancyOptimizer):  # one process
             return optimizer.state_dict()
-        optimizer.consolidate_state_dict(to=0)
+        consolidate_on_rank_0(optimizer)
         return optimizer.state_dict() if du.is_main_process() else {}

@@ -23,7 +23,7 @@ from torch import nn
 from distribuuuu.inference.read import read_checkpoint
 from distribuuuu.models import build_model
 from distribuuuu.models.recompute import enable_activation_checkpointing
-from distribuuuu.strategies.zero1 import shard_optimizer
+from distribuuuu.strategies.zero1 import consolidate_on_rank_0, shard_optimizer
 
 STEPS, BATCH = 4, 6  # optimizer steps; samples per rank per step
 # Image size by model: LeNet-5's layers want 28 px; resnet8 takes any size, and
@@ -108,6 +108,24 @@ def _zero1_adamw_step(rank: int, world: int) -> dict:
     return {"sharded": weights[0], "plain": weights[1]}
 
 
+def _zero1_consolidations(rank: int, world: int) -> dict:
+    """The whole AdamW state after 2 steps of ZeRO-1, consolidated on rank 0
+    by torch (``consolidate_state_dict``) and by ours, which fills the private
+    attribute that torch's ``state_dict()`` reads."""
+    del world
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
+    for _ in range(2):
+        model(torch.ones(2, 4)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    consolidate_on_rank_0(optimizer)  # first: torch's fills nothing for it
+    ours = optimizer.state_dict() if rank == 0 else {}
+    optimizer.consolidate_state_dict(to=0)
+    return {"torch": optimizer.state_dict() if rank == 0 else {}, "ours": ours}
+
+
 def _on_two_ranks(rank: int, world: int) -> dict:
     """:func:`_train_every_case` and :func:`_shard_models_of_different_seeds`
     in one process group; a part that raised keeps its traceback (its tests
@@ -116,6 +134,7 @@ def _on_two_ranks(rank: int, world: int) -> dict:
         "train": _train_every_case,
         "shard": _shard_models_of_different_seeds,
         "adamw": _zero1_adamw_step,
+        "consolidate": _zero1_consolidations,
     }
     results = {}
     for name, part in parts.items():
@@ -418,3 +437,17 @@ def test_zero1_shards_adamw_and_steps_as_adamw_does(two_ranks):
     (decoupled_weight_decay): ZeRO-1 rebuilds it all the same."""
     for result in _part(two_ranks, "adamw"):
         torch.testing.assert_close(result["sharded"], result["plain"])
+
+
+@pytest.mark.slow
+def test_zero1_consolidates_on_rank_0_as_torch_does(two_ranks):
+    """The checkpoint's optimizer state: ours (one gather to rank 0) equals
+    torch's consolidation, every tensor of both ranks' shards included."""
+    consolidated = _part(two_ranks, "consolidate")[0]
+    theirs, ours = consolidated["torch"], consolidated["ours"]
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert ours["state"].keys() == theirs["state"].keys() == set(range(4))
+    for index, state in theirs["state"].items():
+        assert ours["state"][index].keys() == state.keys()
+        for name, value in state.items():
+            assert torch.equal(ours["state"][index][name], value), (index, name)
