@@ -9,7 +9,7 @@ import os
 import re
 
 import pytest
-from helpers import FAST, TINY, assert_ok, read_metrics, read_text, train_net
+from helpers import FAST, TINY, assert_ok, read_metrics, read_text, torchrun, train_net
 
 from distribuuuu.config import load_cfg
 from distribuuuu.engine.specs import strategy_spec
@@ -92,10 +92,9 @@ def test_a_plan_record_that_is_a_pipe_or_a_link_does_not_hang(tmp_path):
 @pytest.mark.slow
 def test_a_two_rank_dry_run_with_auto_prints_its_choice_and_checks_it(tmp_path):
     out_dir = str(tmp_path / "run")
-    result = train_net(
-        "--num-procs", "2", "--dry-run", *FAST, "DIST.STRATEGY", "auto",
-        "OUT_DIR", out_dir,
-    )  # fmt: skip
+    result = torchrun(
+        2, "--dry-run", *FAST, "DIST.STRATEGY", "auto", "OUT_DIR", out_dir
+    )
     assert_ok(result)
     text = result.stdout + result.stderr
     assert "plan (DIST.STRATEGY auto):" in text
