@@ -111,7 +111,7 @@ LAYOUTS = {
     "zero1": Layout(
         ("DIST.STRATEGY", "zero1"),
         ((1, ("save",)), (2, ("save",)), (3, ("save",)), (0, ALL)),
-        _uses("prepare:world", "step:world", "evaluation:world", "save:world"),
+        _uses("prepare:world", "step:world", "evaluation:world", "save:control"),
     ),
     "fsdp": Layout(
         ("DIST.STRATEGY", "fsdp"),

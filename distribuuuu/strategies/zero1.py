@@ -12,7 +12,6 @@ import inspect
 import logging
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -60,7 +59,8 @@ def consolidate_on_rank_0(optimizer: ZeroRedundancyOptimizer) -> None:
     of its pickled bytes through a Python sequence (``torch.ByteTensor`` of a
     bytearray): about 0.1 s per MB here, 11 s of each save of AlexNet's SGD
     momentum on 2 ranks, minutes for a large model's AdamW state.
-    ``dist.gather_object`` sends each shard, moved to the CPU, to rank 0 only.
+    Here each shard, moved to the CPU, goes to rank 0 only, in one gather
+    through host memory (:func:`distribuuuu.dist.group.gather_object_on_main`).
     Rank 0 keeps the shards where ``optimizer.state_dict()`` reads them, the
     private ``_all_state_dicts`` (tests/strategies/test_parallel.py checks
     that the result equals torch's consolidation).
@@ -70,10 +70,8 @@ def consolidate_on_rank_0(optimizer: ZeroRedundancyOptimizer) -> None:
         index: {k: v.cpu() if torch.is_tensor(v) else v for k, v in state.items()}
         for index, state in local["state"].items()
     }
-    main = dist.get_rank() == 0
-    shards = [None] * dist.get_world_size() if main else None
-    dist.gather_object(local, shards, dst=0)
-    if main:
+    shards = du.gather_object_on_main(local)
+    if shards is not None:
         optimizer._all_state_dicts = shards  # type: ignore[attr-defined]
 
 
