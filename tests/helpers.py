@@ -356,14 +356,7 @@ def run_on_ranks(world: int, fn, args: tuple, out_dir: str) -> list:
     of each importing it anew as a spawned process would.
     """
     os.makedirs(out_dir, exist_ok=True)
-    mp.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
-    mp.start_processes(
-        _entry,
-        args=(world, free_port(), fn, args, str(out_dir), dict(os.environ)),
-        nprocs=world,
-        join=True,
-        start_method="forkserver",
-    )
+    _fork(world, _entry, fn, args, str(out_dir), dict(os.environ))
     return [
         torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True)
         for r in range(world)
@@ -383,10 +376,16 @@ def run_launched(world: int, fn, args: tuple) -> None:
     """``fn(*args)`` on ``world`` processes that have the environment torchrun
     (and ``--num-procs``) gives its workers, no process group yet; forked from
     the server of :func:`run_on_ranks`."""
+    _fork(world, _launched, fn, args, dict(os.environ))
+
+
+def _fork(world: int, entry, *args) -> None:
+    """``entry(rank, world, port, *args)`` in ``world`` processes forked from
+    the fork server that imports :data:`RANK_PRELOAD`; waits for all."""
     mp.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
     mp.start_processes(
-        _launched,
-        args=(world, free_port(), fn, args, dict(os.environ)),
+        entry,
+        args=(world, free_port(), *args),
         nprocs=world,
         join=True,
         start_method="forkserver",
