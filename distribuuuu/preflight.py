@@ -478,23 +478,25 @@ def check_out_dir(out_dir: str, keep: bool = True) -> None:
     """Create ``out_dir`` and prove it writable (write, fsync, delete a probe).
 
     Raises a ConfigError naming the directory and the reason (no space, no
-    permission, a file in the way, ...); directories it created are removed,
-    and also after success unless ``keep``.
+    permission, a file in the way, ...); directories it created are removed.
+    Unless ``keep`` (a dry run), nothing is created: a missing ``out_dir``
+    is proven creatable by a probe in its nearest existing parent, so that
+    the ranks of a job checking at once leave no folder behind.
     """
     created = _missing_dirs(out_dir)
     nearest = os.path.dirname(created[0]) if created else os.path.abspath(out_dir)
     if not os.path.isdir(nearest):
         culprit = nearest if created else "it"
         raise ConfigError(f"OUT_DIR {out_dir}: {culprit} exists but is not a directory")
+    made = created if keep else []
     try:
-        os.makedirs(out_dir, exist_ok=True)
-        _write_probe(out_dir)
+        if made:
+            os.makedirs(out_dir, exist_ok=True)
+        _write_probe(out_dir if keep or not created else nearest)
     except OSError as error:
-        _remove_dirs(created)
+        _remove_dirs(made)
         reason = error.strerror or str(error)
         raise ConfigError(f"OUT_DIR {out_dir}: cannot write there: {reason}") from error
     except BaseException:  # Ctrl-C, a signal: leave nothing behind
-        _remove_dirs(created)
+        _remove_dirs(made)
         raise
-    if not keep:
-        _remove_dirs(created)

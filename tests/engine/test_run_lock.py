@@ -173,6 +173,27 @@ def test_dry_run_and_eval_only_take_no_lock(holder, flag, tmp_path):
     assert not (fresh / run_lock.LOCK_NAME).exists()
 
 
+def test_a_dry_run_proves_a_missing_out_dir_creatable_without_creating_it(
+    tmp_path, monkeypatch
+):
+    # Created and removed again, OUT_DIR was left behind when another rank's
+    # probe was in it at that moment: a dry run creates no folder at all.
+    out = tmp_path / "run" / "out"
+    probed = []
+    write_probe = preflight._write_probe
+
+    def probe(directory):
+        probed.append((directory, out.parent.exists()))
+        write_probe(directory)
+
+    monkeypatch.setattr(preflight, "_write_probe", probe)
+    preflight.check_out_dir(str(out), keep=False)
+    assert probed == [(str(tmp_path), False)]
+    assert os.listdir(tmp_path) == []
+    preflight.check_out_dir(str(out), keep=True)
+    assert probed[-1] == (str(out), True) and out.is_dir()
+
+
 def test_a_run_refused_after_taking_the_lock_leaves_no_lock_file(tmp_path):
     out = tmp_path / "out"
     (out / "checkpoints").mkdir(parents=True)
