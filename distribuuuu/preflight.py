@@ -479,10 +479,8 @@ def check_out_dir(out_dir: str, keep: bool = True) -> None:
 
     Raises a ConfigError naming the directory and the reason (no space, no
     permission, a file in the way, ...); directories it created are removed.
-    Unless ``keep`` (a dry run), nothing is created: a missing ``out_dir``
-    is proven creatable by a probe in its nearest existing parent, so that
-    the ranks of a job checking at once leave no folder behind.
-    """
+    Unless ``keep`` (a dry run; its ranks check at once), nothing is created:
+    the probe goes to the nearest existing folder."""
     created = _missing_dirs(out_dir)
     nearest = os.path.dirname(created[0]) if created else os.path.abspath(out_dir)
     if not os.path.isdir(nearest):
@@ -492,7 +490,7 @@ def check_out_dir(out_dir: str, keep: bool = True) -> None:
     try:
         if made:
             os.makedirs(out_dir, exist_ok=True)
-        _write_probe(out_dir if keep or not created else nearest)
+        _write_probe(out_dir if keep else nearest)
     except OSError as error:
         _remove_dirs(made)
         reason = error.strerror or str(error)
