@@ -23,11 +23,13 @@ def pytest_configure(config) -> None:
 
 # The skip reasons of tests that run on CUDA only.
 NEEDS_CUDA = ("needs CUDA", "needs 2 or more CUDA")
+CUDA_MARK = "pytest.mark.cuda"  # as tools/gpu_check.py's
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     """A test that skips without CUDA must carry the ``cuda`` marker, so that
-    ``pytest -m cuda`` (tools/gpu_check.sh on the GPU machine) runs it."""
+    ``pytest -m cuda`` (tools/gpu_check.sh on the GPU machine) runs it; the
+    script looks for the marker's name in the modules, so it must be there."""
     unmarked = [
         item.nodeid
         for item in items
@@ -41,6 +43,16 @@ def pytest_collection_modifyitems(config, items) -> None:
         raise pytest.UsageError(
             "these tests skip without CUDA but lack @pytest.mark.cuda: "
             + ", ".join(unmarked)
+        )
+    unnamed = {
+        str(item.path)
+        for item in items
+        if item.get_closest_marker("cuda") and CUDA_MARK not in item.path.read_text()
+    }
+    if unnamed:
+        raise pytest.UsageError(
+            f"these modules mark cuda tests without the words {CUDA_MARK} that "
+            "tools/gpu_check.sh looks for: " + ", ".join(sorted(unnamed))
         )
 
 

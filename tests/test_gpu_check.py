@@ -151,6 +151,18 @@ def test_run_details_read_a_real_run(tmp_path):
     assert 0 <= details["top1"] <= 100
 
 
+def test_the_cuda_tests_are_looked_for_in_the_modules_that_mark_them(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "test_gpu.py").write_text("@pytest.mark.cuda\ndef test_a(): 0")
+    (tmp_path / "test_cpu.py").write_text("def test_b(): pass\n")
+    (tmp_path / "helpers.py").write_text("pytest.mark.cuda\n")
+    found = gpu_check.cuda_test_files(str(tmp_path))
+    assert found == [str(tmp_path / "sub" / "test_gpu.py")]
+    ours = gpu_check.cuda_test_files(os.path.join(REPO, "tests"))
+    assert os.path.join(REPO, "tests", "test_gpu_path.py") in ours
+    assert os.path.join(REPO, "tests", "test_layout.py") not in ours
+
+
 @pytest.mark.slow
 def test_dry_run_lists_every_step_and_runs_those_without_a_gpu(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"

@@ -69,11 +69,24 @@ PRELOAD = (
     "distribuuuu.engine.trainer",
     "distribuuuu.strategies",
 )
+# Preloaded where installed, on a host without NVIDIA's driver (there its
+# import would set up NVML and a CUDA accelerator for the children to
+# inherit): DeepSpeed costs each of its ranks 4-5 s of imports, MLflow's and
+# pyarrow's among them (pyarrow's jemalloc would start a thread of its own
+# but for NO_THREADS).
+OPTIONAL = () if os.path.exists("/dev/nvidiactl") else ("deepspeed",)
+NO_THREADS = {"JE_ARROW_MALLOC_CONF": "background_thread:false"}
 
 
-# What torchrun sets for its workers, read when a run starts, not at import.
-TORCHRUN_SETS = frozenset(
+# What torchrun (and DeepSpeed's launcher: CROSS_, LOCAL_SIZE and the
+# devices, read at CUDA's start) sets for its workers, read when a run
+# starts, not at import.
+LAUNCHER_SETS = frozenset(
     [
+        "CROSS_RANK",
+        "CROSS_SIZE",
+        "LOCAL_SIZE",
+        "CUDA_VISIBLE_DEVICES",
         "LOCAL_RANK",
         "RANK",
         "GROUP_RANK",
@@ -194,7 +207,7 @@ def _accept(
     conn, _ = listener.accept()
     _, fds, _, _ = socket.recv_fds(conn, 1, 3)
     request = json.loads(conn.makefile().readline())
-    unlike = differ(request["env"], base, made) - (TORCHRUN_SETS if fds else set())
+    unlike = differ(request["env"], base, made) - (LAUNCHER_SETS if fds else set())
     if unlike:  # a command this interpreter cannot stand for
         conn.sendall(f"new {' '.join(sorted(unlike))}\n".encode())
         pid = 0
@@ -233,6 +246,10 @@ def serve(address: str) -> None:
     launched = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
+    os.environ.update(NO_THREADS)
+    for name in OPTIONAL:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     if len(os.listdir("/proc/self/task")) > 1:
         sys.exit("zygote: threads started at import; forking it is unsafe")
     parent, base = os.getppid(), dict(os.environ)

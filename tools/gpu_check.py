@@ -36,6 +36,8 @@ from typing import IO
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(REPO, "tools")
 WHEEL_DIR = os.path.join(REPO, "gpu_wheels")
+# What tools/gpu_check.sh looks for to find the cuda tests (cuda_test_files).
+CUDA_MARK = "pytest.mark.cuda"
 # Short runs of resnet18 on 64 px images, one epoch each.
 SMALL = shlex.split(
     "MODEL.ARCH resnet18 MODEL.NUM_CLASSES 10 TRAIN.IM_SIZE 64 TEST.IM_SIZE 64 "
@@ -206,15 +208,29 @@ def cpu_steps(python: str, work: str, site: str, dry_run: bool) -> list[Step]:
     ]  # fmt: skip
 
 
+def cuda_test_files(tests_dir: str) -> list[str]:
+    """The test modules that name the ``cuda`` marker (tests/conftest.py
+    refuses a cuda test anywhere else): collecting every module would cost
+    about 20 s of imports."""
+    found = []
+    for folder, _, names in os.walk(tests_dir):
+        for name in names:
+            path = os.path.join(folder, name)
+            if name.startswith("test_") and name.endswith(".py"):
+                with open(path, encoding="utf-8") as f:
+                    found += [path] if CUDA_MARK in f.read() else []
+    return sorted(found)
+
+
 def gpu_steps(python: str, work: str, dry_run: bool) -> list[Step]:
     """The cuda tests, the runs and the benchmark, longest first; a dry run
     collects the cuda tests instead (that needs no GPU)."""
     pytest = [python, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider"]
-    tests_dir = os.path.join(REPO, "tests")
+    files = cuda_test_files(os.path.join(REPO, "tests"))
     xml = f"--junitxml={work}/cuda_tests.xml"
-    parallel = ["-q", "-n", "4", "--dist", "loadfile", xml, tests_dir]
+    parallel = ["-q", "-n", "4", "--dist", "loadfile", xml, *files]
     tests = Step("cuda_tests", "pytest -m cuda", [*pytest, *parallel], timeout=240.0)
-    collect = [*pytest, "--collect-only", "-q", tests_dir]
+    collect = [*pytest, "--collect-only", "-q", *files]
     collected = Step("cuda_tests_collected", "the cuda tests", collect, False)
     measure = "--only train --model resnet50 --im-size 224 --batch 128 --precision "
     measure += "bf16 --channels-last --steps 20 --repeats 3 --out"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
-import sys
 
 import pytest
 import torch
@@ -24,8 +24,8 @@ from helpers import (
     needs_deepspeed,
     read_metrics,
     refused,
-    run_command,
     run_python,
+    the_zygote,
     torchrun,
     train_net,
 )
@@ -70,12 +70,24 @@ def launched(tmp_path_factory):
     (``deepspeed --num_gpus 2``), with :data:`KEEP`: its result, its OUT_DIR
     (copy it before writing there) and its master port.  The launcher's test,
     the checkpoint's and the crafted file's share it."""
-    out = str(tmp_path_factory.mktemp("launched") / "run")
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
+    folder = tmp_path_factory.mktemp("launched")
+    out = str(folder / "run")
     port = free_port()
-    launcher += ["--master_port", str(port)]
+    launcher = ["-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
+    launcher += ["--master_port", str(port), "--no_python", rank_script(folder)]
     args = [*LENET, *DEEPSPEED, *KEEP, "OUT_DIR", out]
-    return run_command([*launcher, TRAIN_NET, *args]), out, port
+    return run_python([*launcher, *args]), out, port
+
+
+def rank_script(folder) -> str:
+    """What the launcher runs (``--no_python``) as each rank, with
+    ``--local_rank=N ARGS``: ``python tools/train_net.py --local_rank=N
+    ARGS`` forked from the zygote (tests/zygote.py), as torchrun's are."""
+    path = folder / "train_net.sh"
+    command = shlex.join([*the_zygote().worker_command(), TRAIN_NET])
+    path.write_text(f'#!/bin/sh\nexec {command} "$@"\n')
+    path.chmod(0o755)
+    return str(path)
 
 
 def _copy(out: str, tmp_path) -> str:
