@@ -10,8 +10,9 @@ stderr, working directory and environment of its own and runs the script
 (or ``-m`` module) as ``__main__`` with ``runpy``, as the interpreter would;
 the zygote reports its exit status, a signal's included.
 
-What differs from a new interpreter: the modules are imported already, and
-the children share one ``hash()`` seed. Tests of start-up itself (imports,
+What differs from a new interpreter: the modules are imported already (and
+frozen out of the children's garbage collections), and the children share
+one ``hash()`` seed. Tests of start-up itself (imports,
 time) run a real interpreter (:func:`helpers.run_command`). A command whose
 environment differs from the zygote's does too, since some variables are
 read at import time: the zygote refuses it, and the client starts one.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib
 import io
 import json
@@ -252,6 +254,10 @@ def serve(address: str) -> None:
             importlib.import_module(name)
     if len(os.listdir("/proc/self/task")) > 1:
         sys.exit("zygote: threads started at import; forking it is unsafe")
+    # What was imported lives as long as the children: their collections
+    # need not walk it (nor touch its pages, shared until written).
+    gc.collect()
+    gc.freeze()
     parent, base = os.getppid(), dict(os.environ)
     made = base.keys() - launched.keys()
     children: dict[int, socket.socket | None] = {}  # pid: its client

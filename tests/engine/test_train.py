@@ -19,6 +19,7 @@ from helpers import (
     read_metrics,
     read_text,
     run_command,
+    run_python,
     torchrun,
     train_net,
 )
@@ -92,18 +93,11 @@ def test_torchrun_counts_every_validation_sample_once(tmp_path):
 
 @pytest.mark.slow
 def test_deprecated_launcher(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.launch",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        TRAIN_NET,
-        *TINY,
-        "OUT_DIR",
-        str(tmp_path),
-    ]
-    assert_ok(run_command(cmd))
+    """``python -m torch.distributed.launch``, which passes ``--local-rank=N``
+    (the launcher forked from the zygote, its ranks new interpreters)."""
+    cmd = ["-m", "torch.distributed.launch", "--nproc_per_node=2"]
+    cmd += [f"--master_port={free_port()}", TRAIN_NET, *TINY, "OUT_DIR", str(tmp_path)]
+    assert_ok(run_python(cmd))
     (val,) = read_metrics(str(tmp_path), "val")
     assert val["world_size"] == 2 and val["samples"] == TINY_VAL_SIZE
 
