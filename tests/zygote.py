@@ -45,6 +45,7 @@ import atexit
 import contextlib
 import gc
 import importlib
+import inspect
 import io
 import json
 import os
@@ -61,11 +62,13 @@ import tempfile
 import time
 import traceback
 
-# What a run imports, once: torch, torchvision, torchrun, the trainer.
+# What a run imports, once: torch, torchvision, torchrun, the trainer and
+# its default tracker (tensorboard's writer).
 PRELOAD = (
     "torch",
     "torchvision",
     "torch.distributed.run",
+    "torch.utils.tensorboard",
     "distribuuuu.cli",
     "distribuuuu.job",
     "distribuuuu.engine.trainer",
@@ -254,6 +257,12 @@ def serve(address: str) -> None:
             importlib.import_module(name)
     if len(os.listdir("/proc/self/task")) > 1:
         sys.exit("zygote: threads started at import; forking it is unsafe")
+    # torchrun's rendezvous names its callers with inspect.stack(), which
+    # maps each frame's file to its module: a file no module has (such as
+    # "<frozen runpy>", hence frozen_modules=off) makes it read all of the
+    # thousands loaded, and so does its first call. Filled here, that cache
+    # saves each launch about 2 s.
+    inspect.getmodule(compile("", "<fill>", "exec"))
     # What was imported lives as long as the children: their collections
     # need not walk it (nor touch its pages, shared until written).
     gc.collect()
@@ -299,8 +308,10 @@ class Zygote:
         self.refused: list[str] = []  # the variables of its last refusal
         self.folder = tempfile.mkdtemp(prefix="zygote-")
         self.address = os.path.join(self.folder, "socket")
+        # The standard library from its files: see serve() on inspect.
+        source = ["-X", "frozen_modules=off"]
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), self.address],
+            [sys.executable, *source, os.path.abspath(__file__), self.address],
             cwd=cwd,
             env=self.env,
             stdin=subprocess.DEVNULL,
