@@ -23,7 +23,6 @@ def pytest_configure(config) -> None:
 
 # The skip reasons of tests that run on CUDA only.
 NEEDS_CUDA = ("needs CUDA", "needs 2 or more CUDA")
-CUDA_MARK = "pytest.mark.cuda"  # as tools/gpu_check.py's
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -44,15 +43,15 @@ def pytest_collection_modifyitems(config, items) -> None:
             "these tests skip without CUDA but lack @pytest.mark.cuda: "
             + ", ".join(unmarked)
         )
-    unnamed = {
-        str(item.path)
-        for item in items
-        if item.get_closest_marker("cuda") and CUDA_MARK not in item.path.read_text()
-    }
-    if unnamed:
+    # Not at the top: helpers reads the environment pytest_configure sets.
+    from helpers import import_tool
+
+    marked = {str(item.path) for item in items if item.get_closest_marker("cuda")}
+    gpu_check = import_tool("gpu_check")
+    if unfound := marked - set(gpu_check.cuda_test_files(os.path.dirname(__file__))):
         raise pytest.UsageError(
-            f"these modules mark cuda tests without the words {CUDA_MARK} that "
-            "tools/gpu_check.sh looks for: " + ", ".join(sorted(unnamed))
+            f"these modules mark cuda tests without the words {gpu_check.CUDA_MARK} "
+            "that tools/gpu_check.sh looks for: " + ", ".join(sorted(unfound))
         )
 
 

@@ -36,7 +36,7 @@ from typing import IO
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(REPO, "tools")
 WHEEL_DIR = os.path.join(REPO, "gpu_wheels")
-# What tools/gpu_check.sh looks for to find the cuda tests (cuda_test_files).
+# What cuda_test_files looks for (tests/conftest.py holds every cuda test to it).
 CUDA_MARK = "pytest.mark.cuda"
 # Short runs of resnet18 on 64 px images, one epoch each.
 SMALL = shlex.split(
@@ -215,10 +215,11 @@ def cuda_test_files(tests_dir: str) -> list[str]:
     found = []
     for folder, _, names in os.walk(tests_dir):
         for name in names:
-            path = os.path.join(folder, name)
-            if name.startswith("test_") and name.endswith(".py"):
-                with open(path, encoding="utf-8") as f:
-                    found += [path] if CUDA_MARK in f.read() else []
+            if not (name.startswith("test_") and name.endswith(".py")):
+                continue
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                if CUDA_MARK in f.read():
+                    found.append(f.name)
     return sorted(found)
 
 
