@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from zygote import Zygote
 
 from distribuuuu.dist.group import release_groups
-from distribuuuu.dist.spawn import find_free_port
+from distribuuuu.dist.spawn import find_free_port, run_as_rank
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_NET = os.path.join(REPO, "tools", "train_net.py")
@@ -365,11 +365,9 @@ def run_on_ranks(world: int, fn, args: tuple, out_dir: str) -> list:
 
 def _launched(rank: int, world: int, port: int, fn, args: tuple, env: dict) -> None:
     os.environ.clear()
-    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
-    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(env)  # the server's is its own, from when it started
     torch.set_num_threads(1)
-    fn(*args)
+    run_as_rank(rank, world, port, fn, args)
 
 
 def run_launched(world: int, fn, args: tuple) -> None:

@@ -24,9 +24,11 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _worker(
+def run_as_rank(
     local_rank: int, num_procs: int, port: int, func: Callable, args: tuple
 ) -> None:
+    """``func(*args)`` as rank ``local_rank`` of ``num_procs`` local processes,
+    with the environment torchrun would give it (no process group yet)."""
     os.environ.update(
         RANK=str(local_rank),
         WORLD_SIZE=str(num_procs),
@@ -47,7 +49,7 @@ def spawn(num_procs: int, func: Callable[..., Any], args: tuple = ()) -> None:
     """
     port = find_free_port()
     mp.start_processes(
-        _worker,
+        run_as_rank,
         args=(num_procs, port, func, args),
         nprocs=num_procs,
         join=True,
