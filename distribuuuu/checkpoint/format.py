@@ -33,6 +33,9 @@ DEEPSPEED, DEEPSPEED_LAYOUT = "deepspeed", "deepspeed_layout"
 # The experiment trackers' run ids ({"mlflow": run id, "wandb": id}), which a
 # resumed run continues; what a run id read back may look like.
 TRACKER_RUNS = "tracker_runs"
+# Saved under DIST.DDP.COMM_HOOK powersgd: every rank's PowerSGD state (its
+# error feedback differs per rank), a list by rank.
+COMM_HOOK = "comm_hook"
 _TRACKER_RUN_ID = re.compile(r"[\w-]{1,128}")
 
 
@@ -154,6 +157,16 @@ class SavedRun:
     def optimizer_state(self) -> dict:
         """The optimizer state with its groups as lists (as torch keeps them)."""
         return grouped_by_list(self.state[OPTIMIZER])
+
+    def comm_hook_of(self, rank: int, world_size: int) -> tuple[dict, bool] | None:
+        """Rank ``rank``'s PowerSGD state, and whether the file was saved by
+        ``world_size`` processes (on another world size rank 0's state is the
+        nearest, without its error feedback); None where the file has none."""
+        states = self.state.get(COMM_HOOK)
+        if not isinstance(states, list) or not states:
+            return None
+        same = len(states) == world_size
+        return states[rank if same else 0], same
 
     @property
     def has_ema(self) -> bool:

@@ -459,6 +459,22 @@ _C.DIST.DEEPSPEED.NVME_PATH = ""
 # what we have no key for (e.g. overlap_comm); a value that contradicts one of
 # our keys, or an optimizer or scheduler section, is an error
 _C.DIST.DEEPSPEED.CONFIG = ""
+# DDP's gradient communication (DIST.STRATEGY ddp and zero1; docs/strategies.md)
+_C.DIST.DDP = CfgNode()
+# Compress the all-reduced gradients with torch's own hooks
+# (torch.distributed.algorithms.ddp_comm_hooks): none | fp16 (sent as float16,
+# half the bytes) | bf16 (as bfloat16; needs NCCL, so CUDA) | powersgd (each
+# weight matrix's gradient sent as a rank-POWERSGD_RANK factorization, with
+# error feedback; its state is saved in the checkpoint). They pay where the link
+# is slow, as between nodes on Ethernet
+_C.DIST.DDP.COMM_HOOK = "none"
+# PowerSGD: the rank of each gradient matrix's approximation (higher sends more
+# and approximates better)
+_C.DIST.DDP.POWERSGD_RANK = 2
+# PowerSGD: optimizer steps of plain all-reduce before compression starts (at
+# least 2: DDP rearranges its buckets after the first). torch suggests 10% of
+# the run's steps; 20 starts within the first epoch of the embedded recipe
+_C.DIST.DDP.POWERSGD_START_ITER = 20
 # The planner (DIST.STRATEGY auto, tools/plan.py): what it may choose
 _C.DIST.AUTO = CfgNode()
 # Share of a device's memory a plan may fill: a candidate whose predicted peak

@@ -45,6 +45,7 @@ BACKENDS = ("", "nccl", "gloo")
 DIST_MODES = ("ddp", "dp")
 STRATEGIES = ("dp", "ddp", "zero1", "fsdp", "hsdp", "pipeline", "deepspeed")
 OFFLOADS = ("none", "cpu", "nvme")
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PRECISIONS = ("auto", "none", "bf16", "fp16")
 AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
@@ -68,6 +69,7 @@ CHOICES: dict[str, tuple] = {
     "DIST.MODE": DIST_MODES,
     "DIST.STRATEGY": (*STRATEGIES, "auto"),
     "DIST.PIPELINE.SCHEDULE": PIPELINE_SCHEDULES,
+    "DIST.DDP.COMM_HOOK": COMM_HOOKS,
     "DIST.DEEPSPEED.ZERO_STAGE": (1, 2, 3),
     "DIST.DEEPSPEED.OFFLOAD_OPTIMIZER": OFFLOADS,
     "DIST.DEEPSPEED.OFFLOAD_PARAMS": OFFLOADS,
@@ -194,6 +196,8 @@ RANGES = {
     "DIST.HSDP.SHARD_SIZE": _at_least(0, " (0 = the processes per node)"),
     "DIST.STOP_CHECK_STEPS": _at_least(1),
     "DIST.PIPELINE.STAGES": _at_least(2),
+    "DIST.DDP.POWERSGD_RANK": _at_least(1),
+    "DIST.DDP.POWERSGD_START_ITER": _at_least(2),
     "DIST.AUTO.HEADROOM": _within("(0, 1]"),
     "DIST.PIPELINE.MICROBATCHES": _at_least(0, " (0 = 2 x STAGES)"),
     "DIST.PIPELINE.VIRTUAL_STAGES": _at_least(1),

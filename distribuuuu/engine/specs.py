@@ -36,7 +36,12 @@ from distribuuuu.optim.spec import OptimizerSpec, ScheduleSpec
 from distribuuuu.reporting.remote_trackers import MlflowSpec, TrackerSpec, WandbSpec
 from distribuuuu.strategies.chain import takes_fp16
 from distribuuuu.strategies.precision import resolve_auto_precision
-from distribuuuu.strategies.spec import DeepSpeedSpec, PipelineSpec, StrategySpec
+from distribuuuu.strategies.spec import (
+    CommHookSpec,
+    DeepSpeedSpec,
+    PipelineSpec,
+    StrategySpec,
+)
 
 # --------------------------------------------------------------------------- #
 # reporting: the experiment trackers
@@ -349,6 +354,9 @@ def strategy_spec(
             split=tuple(pipe.SPLIT),
         ),
         deepspeed=deepspeed_spec(cfg),
+        comm_hook=CommHookSpec(
+            dist.DDP.COMM_HOOK, dist.DDP.POWERSGD_RANK, dist.DDP.POWERSGD_START_ITER
+        ),
         build_optimizer=functools.partial(optim.build_optimizer, spec=optimizer),
         param_groups=functools.partial(optim.build_param_groups, spec=optimizer),
         optimizer_state_tensors=optim.state_tensors(optimizer),

@@ -88,6 +88,9 @@ class Workload:
     activation_bytes: int = 4  # per element between blocks (2 under autocast)
     pipeline_microbatches: int = 0  # DIST.PIPELINE.MICROBATCHES; 0: 2 x stages
     virtual_stages: int = 2  # DIST.PIPELINE.VIRTUAL_STAGES (interleaved_1f1b)
+    # What DDP's all-reduces carry per byte of gradients (DIST.DDP.COMM_HOOK:
+    # 0.5 under fp16 and bf16, PowerSGD's factors' share of the numbers).
+    gradient_share: float = 1.0
     # Seconds of the optimizer's step over all the parameters on one device;
     # a rank steps its share of them.
     optimizer_s: float = 0.0
@@ -227,7 +230,8 @@ def _ddp_s(step: _Step) -> float:
     compute keeps busy, after it; across nodes the wire's time runs beside
     the backward, as measured over shaped links); under tensor parallelism,
     in one all-reduce after it."""
-    unit_bytes = [u * step.work.param_bytes for u in step.unit_params()]
+    per_param = step.work.param_bytes * step.work.gradient_share
+    unit_bytes = [u * per_param for u in step.unit_params()]
     if step.tp > 1:
         return all_reduce_s(step.cluster, sum(unit_bytes), step.dp, step.tp)
     if not step.cluster.overlap and step.cluster.nodes == 1:

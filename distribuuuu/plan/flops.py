@@ -60,6 +60,8 @@ class ModelFlops:
     parameters: int
     parameter_tensors: int
     blocks: tuple[BlockProfile, ...]  # in order; () for a model without blocks
+    # Every parameter's shape (what DDP's communication hooks compress).
+    shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def per_image(self) -> float:
@@ -135,6 +137,7 @@ def count_flops(
         conv_share=conv / total if total else 0.0,
         parameters=sum(p.numel() for p in params),
         parameter_tensors=len(params),
+        shapes=tuple(tuple(p.shape) for p in params),
         blocks=tuple(
             BlockProfile(r["forward_flops"], r["parameters"], r["output_numel"])
             for r in records

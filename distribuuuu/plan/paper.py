@@ -32,6 +32,7 @@ from distribuuuu.plan.memory import MemoryModel
 from distribuuuu.plan.search import Machine, PlanResult, plan
 from distribuuuu.plan.tracing import TraceSpec
 from distribuuuu.strategies import spec as features
+from distribuuuu.strategies.comm_hooks import compressed_share
 
 GIB_IN_MIB = 1024
 # On a CPU, a model up to this many parameters is measured on this machine
@@ -207,6 +208,9 @@ class PaperRun:
             virtual_stages=self.cfg.DIST.PIPELINE.VIRTUAL_STAGES,
             optimizer_s=calibration.optimizer_s,
             sharded_tensor_s=calibration.sharded_tensor_s,
+            gradient_share=compressed_share(
+                strategy_spec(self.cfg).comm_hook, self.flops.shapes
+            ),
         )
         return Machine(cluster, memory_mib, self.cfg.DIST.AUTO.HEADROOM, workload)
 

@@ -172,6 +172,8 @@ class Strategy:
     compiles: ClassVar[bool] = False
     # Whether DIST.TENSOR_PARALLEL may split the blocks of its replicas.
     takes_tensor_parallel: ClassVar[bool] = False
+    # Whether DIST.DDP.COMM_HOOK applies (it wraps the model in DDP).
+    takes_comm_hook: ClassVar[bool] = False
     # Features it refuses (spec.SYNCBN, spec.FP16, ...) -> why, the end of
     # pre-flight's "... is not supported with ..." (in the order checked).
     refused: ClassVar[Mapping[str, str]] = {}

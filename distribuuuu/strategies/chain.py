@@ -158,6 +158,23 @@ def check_layout(
     cls.check_layout(spec, world_size, skeleton)
 
 
+def check_comm_hook(spec: StrategySpec, cls: type[Strategy]) -> None:
+    """DIST.DDP.COMM_HOOK only where DDP reduces the gradients."""
+    hook = spec.comm_hook.name
+    if hook == "none" or (cls.takes_comm_hook and spec.tensor_parallel == 1):
+        return
+    names = listed(names_where(lambda each: each.takes_comm_hook), "and")
+    where = spec.name
+    if cls.takes_comm_hook:
+        where += " with DIST.TENSOR_PARALLEL > 1"
+    check_value(
+        False,
+        "DIST.DDP.COMM_HOOK",
+        hook,
+        f"applies to DIST.STRATEGY {names} (DDP's gradients), not {where}",
+    )
+
+
 def names_where(test: Callable[[type[Strategy]], bool]) -> list[str]:
     """The registered strategies (in the config's order) that pass ``test``."""
     return [name for name, cls in STRATEGIES.items() if test(cls)]
@@ -187,6 +204,7 @@ def check_choices(spec: StrategySpec, turned_on: Mapping[str, tuple[str, Any]]) 
         check_value(False, "DIST.STRATEGY", spec.name,
                     "cannot be combined with DIST.TENSOR_PARALLEL > 1: choose "
                     f"{over} over the replicas")  # fmt: skip
+    check_comm_hook(spec, cls)
     if spec.compile_model and not compiles(spec):
         names = listed(names_where(lambda each: each.compiles), "and")
         check_value(False, "MODEL.COMPILE", True,

@@ -65,6 +65,16 @@ class DeepSpeedSpec:
     config: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class CommHookSpec:
+    """DIST.DDP: DDP's communication hook and PowerSGD's rank and first
+    compressed step."""
+
+    name: str = "none"
+    powersgd_rank: int = 2
+    powersgd_start_iter: int = 20
+
+
 def _no_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     raise ValueError("this StrategySpec was built without an optimizer recipe")
 
@@ -109,6 +119,7 @@ class StrategySpec:
     compile_mode: str = "default"
     pipeline: PipelineSpec = PipelineSpec()
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
+    comm_hook: CommHookSpec = CommHookSpec()
     build_optimizer: Callable[[nn.Module], torch.optim.Optimizer] = _no_optimizer
     param_groups: Callable[[nn.Module], list] = _no_param_groups
     optimizer_state_tensors: int = 1

@@ -1,7 +1,7 @@
 """Nothing lost under the strategies that save pieces: a pipeline, tensor-
-parallel ranks and DeepSpeed's ZeRO, each SIGKILLed mid-run, rerun to end
-bitwise where an uninterrupted run ends (the run: helpers.KILLED_RUN, made
-shorter here)."""
+parallel ranks, DeepSpeed's ZeRO and PowerSGD's state, each SIGKILLed mid-run,
+rerun to end bitwise where an uninterrupted run ends (the run:
+helpers.KILLED_RUN, made shorter here)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,14 @@ def test_sigkill_deepspeed_ranks_then_rerun_is_bitwise_identical(tmp_path):
     deepspeed = ("DIST.STRATEGY", "deepspeed", "MODEL.EMA", "True")
     deepspeed += ("DATA.SYNTHETIC_SIZE", "[3072,200]")
     _sigkill_then_rerun_matches_uninterrupted(tmp_path, deepspeed)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sigkill_powersgd_ranks_then_rerun_is_bitwise_identical(tmp_path):
+    """DDP compressing with PowerSGD from step 2: each rank's error feedback
+    and the factors are saved; the rerun's new DDP takes them back.  2 ranks
+    of 64: 3,072 images make 24 steps."""
+    hook = ("DIST.DDP.COMM_HOOK", "powersgd", "DIST.DDP.POWERSGD_START_ITER", "2")
+    hook += ("DATA.SYNTHETIC_SIZE", "[3072,200]")
+    _sigkill_then_rerun_matches_uninterrupted(tmp_path, hook)

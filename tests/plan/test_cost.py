@@ -324,3 +324,17 @@ def test_a_run_logs_its_tflops_and_mfu_only_with_a_known_peak(tmp_path, monkeypa
     events.Reload()
     shown = [event.value for event in events.Scalars("train/mfu")]
     assert shown == pytest.approx([r["mfu"] for r in calibrated])
+
+
+def test_a_compressing_hook_shortens_ddps_exposed_all_reduce_across_nodes():
+    """DIST.DDP.COMM_HOOK: fp16's half of the bytes, and PowerSGD's factors,
+    cost less on the wire between nodes; the compute is the same."""
+    slow = cluster(nodes=2, per_node=1, inter=Link.of(0.1, 20), overlap=False)
+    ddp = TimedPlan("ddp", 2, micro_batch=32, accum_steps=1)
+    costs = {
+        share: step_cost(ddp, Workload(VIT_B, gradient_share=share), slow)
+        for share in (1.0, 0.5, 0.05)
+    }
+    assert costs[0.5].compute_s == costs[1.0].compute_s
+    assert costs[0.5].comm_s == pytest.approx(costs[1.0].comm_s / 2, rel=0.01)
+    assert costs[0.05].comm_s < costs[0.5].comm_s / 5
