@@ -62,8 +62,9 @@ def mpi_place(env: Mapping[str, str]) -> tuple[int, int, int, int, str, int]:
             f"OMPI_COMM_WORLD_* variables to run one process"
         )
     rank, world, local_rank = (_number(env, name) for name in MPI_VARIABLES)
-    local_size = env.get(MPI_LOCAL_SIZE)
-    local_world = local_rank + 1 if local_size is None else _number(env, MPI_LOCAL_SIZE)
+    local_world = local_rank + 1
+    if MPI_LOCAL_SIZE in env:
+        local_world = _number(env, MPI_LOCAL_SIZE)
     if world == 1:
         return rank, world, local_rank, local_world, "127.0.0.1", 0
     for name in ("MASTER_ADDR", "MASTER_PORT"):
