@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from distribuuuu.dist.launcher_env import launched_rank
 from distribuuuu.errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -95,7 +96,7 @@ def plain_message(error: BaseException) -> str:
 
 def is_rank_zero() -> bool:
     """True in a process that is not a launched rank other than 0."""
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    return launched_rank(os.environ) in (None, "0")
 
 
 def shorten(message: str, limit: int = MAX_ERROR_CHARS) -> str:

@@ -19,12 +19,13 @@ import signal
 from yacs.config import CfgNode
 
 from distribuuuu.cli import describe_error, is_rank_zero
+from distribuuuu.dist.launcher_env import launched_rank
 from distribuuuu.logger import PACKAGE_LOGGER
 
 
 def is_launched() -> bool:
-    """True when a launcher (torchrun, srun) started this process as a rank."""
-    return "RANK" in os.environ or "SLURM_PROCID" in os.environ
+    """True when a launcher (torchrun, srun, mpirun) started this process as a rank."""
+    return launched_rank(os.environ) is not None
 
 
 def job_world_size(num_procs: int) -> int:

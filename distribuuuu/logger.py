@@ -4,7 +4,9 @@ On an interactive terminal rank 0's console also keeps a live status line (a
 progress bar) below the log; records marked ``extra={STATUS_LINE: True}`` go
 to the log files but not to such a console, whose status line shows the same.
 Anywhere else (a file, a pipe, a Slurm log) the console prints every record
-and no status line, so logs hold no carriage returns.
+and no status line, so logs hold no carriage returns.  Open MPI's mpirun gives
+its ranks a pseudo-terminal whatever its own output is (a file, a pipe), so
+under mpirun the console never keeps a status line.
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ class _Console(logging.StreamHandler):
 
     def __init__(self, stream):
         super().__init__(stream)
-        self.live = stream.isatty() and os.environ.get("TERM") != "dumb"
+        self.live = (
+            stream.isatty()
+            and os.environ.get("TERM") != "dumb"
+            and "OMPI_COMM_WORLD_RANK" not in os.environ  # mpirun's pseudo-terminal
+        )
         self._status = ""  # the text on screen, "" when none is drawn
         self._drawn_at = 0.0
 

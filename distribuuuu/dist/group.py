@@ -2,6 +2,12 @@
 
 Detection (first match wins; docs/launching.md):
 
+* ``OMPI_COMM_WORLD_RANK`` (or ``_SIZE``, ``_LOCAL_RANK``) set and no ``RANK``:
+  a process of Open MPI's ``mpirun``; rank, world size and local rank come from
+  those three, which must all be there, and the master from ``MASTER_ADDR`` and
+  ``MASTER_PORT``, which the user sets (Open MPI exports none).  It comes before
+  Slurm: the ranks of an mpirun inside a Slurm allocation carry the Slurm
+  variables of mpirun's daemons (or of the batch script), not their own.
 * ``SLURM_PROCID`` set and no ``RANK``: a Slurm task started by ``srun``; rank,
   world size and local rank come from ``SLURM_PROCID``, ``SLURM_NTASKS``,
   ``SLURM_LOCALID``; the master is the first host of ``SLURM_NODELIST``.  The
@@ -30,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from distribuuuu.dist.launcher_env import mpi_place, started_by_mpirun
 from distribuuuu.dist.peers import (
     backend_reason,
     forget_group,
@@ -56,7 +63,7 @@ _NOT_SRUN_STEPS = {"4294967294", "batch", "4294967295", "extern"}
 class LaunchInfo:
     """Where this process sits in the job, as detected from the environment."""
 
-    launcher: str  # "slurm", "torchrun", "deepspeed" or "none"
+    launcher: str  # "mpi", "slurm", "torchrun", "deepspeed" or "none"
     rank: int
     world_size: int
     local_rank: int
@@ -70,6 +77,8 @@ class LaunchInfo:
 def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """Read the launcher's environment (``os.environ`` by default)."""
     env = os.environ if env is None else env
+    if started_by_mpirun(env):
+        return LaunchInfo("mpi", *mpi_place(env))
     if "SLURM_PROCID" in env and "RANK" not in env:
         world = int(env.get("SLURM_NTASKS", "1"))
         step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
@@ -208,8 +217,8 @@ def backend_for(requested: str, device_type: str, cpu_collectives: bool) -> str:
 def cpu_threads(affinity: int, local_world_size: int, env: Mapping[str, str]) -> int:
     """Torch threads for one process: its share of the CPUs it may run on.
 
-    Under torchrun (or spawn, or plain python) the processes of a node share
-    one CPU affinity, which is divided between them.  A Slurm task started by
+    Under torchrun or mpirun (or spawn, or plain python) the processes of a
+    node share one CPU affinity, which is divided between them.  A Slurm task started by
     srun owns its CPUs already: ``SLURM_CPUS_PER_TASK`` of them (else its
     share of ``SLURM_CPUS_ON_NODE``), and its affinity, when Slurm binds tasks,
     is already that share and is not divided again.
@@ -217,10 +226,11 @@ def cpu_threads(affinity: int, local_world_size: int, env: Mapping[str, str]) ->
     Args:
         affinity: number of CPUs this process may run on (``sched_getaffinity``).
         local_world_size: processes of the job on this node.
-        env: the environment (``SLURM_*``, ``RANK``).
+        env: the environment (``SLURM_*``, ``RANK``, ``OMPI_COMM_WORLD_*``).
     """
     local = max(1, local_world_size)
-    if "SLURM_PROCID" not in env or "RANK" in env:  # not a task of srun's
+    srun_task = "SLURM_PROCID" in env and "RANK" not in env
+    if not srun_task or started_by_mpirun(env):
         return max(1, affinity // local)
     per_task = env.get("SLURM_CPUS_PER_TASK", "")
     on_node = env.get("SLURM_CPUS_ON_NODE", "")
