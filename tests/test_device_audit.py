@@ -250,6 +250,8 @@ def _run_turn(audit, layout, rank: int, phases, tmp_path, monkeypatch, shapes):
                 amp_dtype=None,
                 plan=types.SimpleNamespace(accum=1),
                 ema=None,
+                norm_wanted=True,  # a print step: the norm's collectives too
+                grad_norm=None,
             )
             batches = [(images, labels, labels)]
             meter = MetricSums(META, topk=5)

@@ -26,8 +26,8 @@ from helpers import (
 from distribuuuu.dist.group import release_groups
 from distribuuuu.engine import numerics
 from distribuuuu.models import build_model
-from distribuuuu.strategies.base import clip_gradients
 from distribuuuu.strategies.fsdp import shard_fully
+from distribuuuu.strategies.gradients import clip_gradients
 
 gpu_check = import_tool("gpu_check")
 gpu_report = import_tool("gpu_report")

@@ -12,7 +12,7 @@ from distribuuuu.engine import losses
 from distribuuuu.engine.losses import TrainLoss, build_mixer, host_to_device
 from distribuuuu.models.ema import ModelEma
 from distribuuuu.reporting.meters import ConfusionMatrix
-from distribuuuu.strategies.base import step_optimizer
+from distribuuuu.strategies.gradients import step_optimizer
 
 
 def test_mixing_order_goes_to_cuda_from_pinned_memory(monkeypatch):
@@ -80,7 +80,7 @@ def test_fp16_step_with_ema_reads_the_device_once(monkeypatch, clip):
     average = ema.tensors()["weight"].clone()
     syncs = _CountedSyncs(monkeypatch, scaler)
     scaler.scale(model(torch.full((1, 3), float("inf"))).sum()).backward()
-    stepped = step_optimizer(model, optimizer, scaler, clip, check_skip=True)
+    stepped = step_optimizer(model, optimizer, scaler, clip, check_skip=True).taken
     if stepped:
         ema.step()
     # One read: the GradScaler's own found-inf check inside scaler.step.
@@ -89,7 +89,7 @@ def test_fp16_step_with_ema_reads_the_device_once(monkeypatch, clip):
     assert torch.equal(ema.tensors()["weight"], average)
     optimizer.zero_grad()
     scaler.scale(model(torch.ones(1, 3)).sum()).backward()
-    assert step_optimizer(model, optimizer, scaler, clip, check_skip=True)
+    assert step_optimizer(model, optimizer, scaler, clip, check_skip=True).taken
     assert (syncs.scales, syncs.items) == (0, 2)
     ema.step()
     assert ema.counters() == {"steps": 1, "updates": 1}
@@ -99,7 +99,7 @@ def test_fp16_step_with_ema_reads_the_device_once(monkeypatch, clip):
     fused = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     before = model.weight.detach().clone()
     scaler.scale(model(torch.full((1, 3), float("inf"))).sum()).backward()
-    assert not step_optimizer(model, fused, scaler, 0.0, check_skip=True)
+    assert not step_optimizer(model, fused, scaler, 0.0, check_skip=True).taken
     assert torch.equal(model.weight, before)
 
 

@@ -510,6 +510,10 @@ _C.LOG.TRACKERS = ["tensorboard"]
 # Seconds the end of a run waits for the mlflow and wandb trackers to send what
 # they still hold (the last metrics, config.yaml, best.pth) before it gives up
 _C.LOG.CLOSE_TIMEOUT = 120.0
+# Warn once when the global gradient norm (logged at every print step as
+# grad_norm, before clipping) exceeds this many times the median of the norms
+# logged before it: the first sign of a diverging run. 0 = off
+_C.LOG.GRAD_SPIKE = 10.0
 _C.LOG.MLFLOW = CfgNode()
 # Tracking server or store ("" = MLFLOW_TRACKING_URI, else MLflow's default
 # ./mlruns)

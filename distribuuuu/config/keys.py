@@ -182,6 +182,7 @@ RANGES = {
     "OPTIM.LARS_ETA": (lambda v: v > 0, "must be > 0"),
     "OPTIM.REFERENCE_BATCH": _at_least(0, " (0 = off)"),
     "LOG.CLOSE_TIMEOUT": _at_least(0, " seconds"),
+    "LOG.GRAD_SPIKE": _at_least(0, " (0 = off)"),
     "OPTIM.MOMENTUM": _within("[0, 1)"),
     "OPTIM.DAMPENING": _within("[0, 1]"),
     "OPTIM.WARMUP_FACTOR": _within("(0, 1]"),

@@ -78,14 +78,14 @@ def train_epoch(
     data_time, window_start = 0.0, time.perf_counter()
     try:
         for step in range(first, total):
-            at = optim.lr_epoch(spec.schedule, progress.epoch, step / total)
-            lr = optim.lr_at(spec.schedule, at) * plan.lr_scale
-            optim.set_lr(state.optimizer, lr)
+            lr = set_step_lr(spec.schedule, state, step / total)
+            # A step that prints: the strategy measures the gradients' norm.
+            state.norm_wanted = (step + 1) % spec.print_freq == 0 or step + 1 == total
             with profiler.step() if profiler else nullcontext():
                 data_time += train_step(state, batches, meter, loss_fn)
             progress.consumed += plan.global_batch
             state.clock.step()
-            if (step + 1) % spec.print_freq == 0 or step + 1 == total:
+            if state.norm_wanted:
                 stats = log_train_window(
                     spec.log,
                     state,
@@ -110,6 +110,15 @@ def train_epoch(
         if profiler:
             profiler.close()
         end_status(keep=True)
+
+
+def set_step_lr(schedule: ScheduleSpec, state: TrainState, fraction: float) -> float:
+    """Set (and return) the learning rate of the step ``fraction`` into the
+    epoch."""
+    at = optim.lr_epoch(schedule, state.progress.epoch, fraction)
+    lr = optim.lr_at(schedule, at) * state.plan.lr_scale
+    optim.set_lr(state.optimizer, lr)
+    return lr
 
 
 class DataClock:
@@ -175,7 +184,9 @@ def micro_batches(
 # with error_if_nonfinite, off); SGD and AdamW steps (AdamW's step counts live
 # on the CPU unless capturable or fused); ZeRO-1's broadcasts (NCCL waits order
 # streams); the EMA's lerp (a host float weight); MetricSums.update.
-# At print steps: MetricSums.reduce (all_reduce + .tolist(), one sync); when the
+# At print steps: the gradient norm (the strategy's; a collective where the
+# gradients are sharded or staged), read with the window's metrics;
+# MetricSums.reduce (all_reduce + .tolist(), one sync); when the
 # window's loss is not finite, all_finite (one sync per device + a CPU collective).
 # At checkpoint steps: all_finite and the state dicts copied to the CPU.
 def train_step(

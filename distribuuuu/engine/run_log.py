@@ -41,6 +41,7 @@ class LogSpec:
     data_bound_share: float = 0.0  # TRAIN.DATA_BOUND_SHARE; 0: no warning
     workers: int = 0  # TRAIN.WORKERS, named in the data-bound warning
     decoder: str = ""  # DATA.DECODER, named in the data-bound warning
+    grad_spike: float = 0.0  # LOG.GRAD_SPIKE; 0: no warning
 
 
 class TrainStatus:
@@ -98,13 +99,16 @@ def log_train_window(
     epoch = state.progress.epoch
     data_time /= window_steps  # per step
     stats = meter.reduce()
+    if state.grad_norm is not None:  # the window's last step's
+        stats["grad_norm"] = float(state.grad_norm)
+        watch_grad_norm(spec, state, stats["grad_norm"], step)
     speed = throughput(spec, state.plan.world_size, stats["samples"], elapsed)
     speed.update(window_flops(state, window_steps, elapsed))
     step_time = elapsed * state.plan.global_batch / max(stats["samples"], 1)
     watch_data_time(spec, state, data_time, step_time)
     logger.info(
         "train ep %d/%d it %d/%d  loss %.4f  top1 %.2f  top%d %.2f  lr %.5f  "
-        "img/s %.0f%s%s  data %.1fms  eta %s",
+        "img/s %.0f%s%s  data %.1fms%s  eta %s",
         epoch + 1,
         spec.max_epoch,
         step + 1,
@@ -118,6 +122,7 @@ def log_train_window(
         format_scaling(speed),
         format_rate(speed),
         1000 * data_time,
+        f"  grad norm {stats['grad_norm']:.3g}" if "grad_norm" in stats else "",
         format_eta(state.clock.eta()),
         extra={STATUS_LINE: True},
     )
@@ -140,6 +145,7 @@ def train_scalars(stats: dict, speed: dict, lr: float, data_ms: float) -> dict:
         "train/img_per_s": speed["img_per_s"],
         "train/img_per_s_per_rank": speed["img_per_s_per_rank"],
         "train/data_ms": data_ms,
+        **({"train/grad_norm": stats["grad_norm"]} if "grad_norm" in stats else {}),
         **{f"train/{key}": speed[key] for key in FLOP_KEYS if key in speed},
     }
 
@@ -213,6 +219,24 @@ def watch_data_time(spec: LogSpec, state: TrainState, data_s: float, step_s: flo
             state.data_watch.windows,
             spec.workers,
             spec.decoder,
+        )
+
+
+def watch_grad_norm(spec: LogSpec, state: TrainState, norm: float, step: int):
+    """Rank 0 warns once when the gradient norm spikes (LOG.GRAD_SPIKE)."""
+    median = state.spike_watch.update(norm, spec.grad_spike)
+    if median is not None and du.is_main_process():
+        logger.warning(
+            "gradient norm spike: %.4g at epoch %d step %d, %.0fx the median %.4g "
+            "of the norms logged before it (LOG.GRAD_SPIKE %g): the run may be "
+            "diverging; lower the learning rate, set OPTIM.CLIP_GRAD_NORM, or "
+            "warm up longer (OPTIM.WARMUP_EPOCHS)",
+            norm,
+            state.progress.epoch + 1,
+            step + 1,
+            norm / max(median, 1e-30),
+            median,
+            spec.grad_spike,
         )
 
 

@@ -130,6 +130,7 @@ def log_spec(cfg: CfgNode) -> LogSpec:
         data_bound_share=cfg.TRAIN.DATA_BOUND_SHARE,
         workers=cfg.TRAIN.WORKERS,
         decoder=cfg.DATA.DECODER,
+        grad_spike=cfg.LOG.GRAD_SPIKE,
     )
 
 

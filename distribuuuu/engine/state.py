@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from distribuuuu.checkpoint import format as ckpt_format
-from distribuuuu.reporting.meters import DataBoundWatch
+from distribuuuu.reporting.meters import DataBoundWatch, GradSpikeWatch
 
 if TYPE_CHECKING:  # imported for the annotations only
     from distribuuuu.models.ema import ModelEma
@@ -166,7 +166,13 @@ class TrainState:
     ema: ModelEma | None = None  # moving average of the weights (MODEL.EMA)
     teacher: nn.Module | None = None  # TRAIN.DISTILL's, in eval mode; never saved
     data_watch: DataBoundWatch = field(default_factory=DataBoundWatch)
+    spike_watch: GradSpikeWatch = field(default_factory=GradSpikeWatch)
     flops: FlopMeter | None = None  # the TFLOP/s and MFU of its windows; None: off
+    # Set by the loop for a step that prints: the strategy then measures the
+    # gradients' global norm before clipping into grad_norm (None elsewhere;
+    # a tensor on the device, or DeepSpeed's number).
+    norm_wanted: bool = False
+    grad_norm: torch.Tensor | float | None = None
 
     def state_dict(
         self, weights: dict, rng: list, *, arch: str, config_dump: str

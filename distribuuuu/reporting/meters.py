@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import datetime
 import resource
+import statistics
 import sys
 
 import torch
@@ -148,6 +150,29 @@ class DataBoundWatch:
             return False
         self.tripped = True
         return True
+
+
+class GradSpikeWatch:
+    """Tells once per run when the gradient norm jumps: past ``factor`` times
+    the median of the last ``history`` norms logged before it (once there are
+    ``warmup`` of them)."""
+
+    def __init__(self, history: int = 100, warmup: int = 5):
+        self.norms: collections.deque[float] = collections.deque(maxlen=history)
+        self.warmup, self.tripped = warmup, False
+
+    def update(self, norm: float, factor: float) -> float | None:
+        """Add a logged norm; the median it exceeds ``factor`` times, the
+        first time one does (None otherwise; ``factor`` 0 turns it off)."""
+        enough = len(self.norms) >= self.warmup
+        median = statistics.median(self.norms) if enough else None
+        self.norms.append(norm)
+        if factor <= 0 or self.tripped or median is None:
+            return None
+        if not norm > factor * median:  # a NaN norm is no spike
+            return None
+        self.tripped = True
+        return median
 
 
 def progress_bar(done: int, total: int, width: int = 20) -> str:

@@ -29,6 +29,7 @@ from distribuuuu.dist import group as du
 from distribuuuu.models.wrappers import unwrap_model
 from distribuuuu.reporting import reports
 from distribuuuu.strategies.broadcast import broadcast_buffers
+from distribuuuu.strategies.gradients import gradient_norm, step_optimizer
 from distribuuuu.strategies.mesh import ParallelDims, axis
 from distribuuuu.strategies.optimizer_keys import (
     keyed_by_name,
@@ -65,92 +66,6 @@ def check_current_device(device: torch.device, library: str) -> None:
             f"{library} made cuda:{current} the current device of this process, "
             f"not {device}, the one chosen for it"
         )
-
-
-def average_gradients(params: list[nn.Parameter], group, size: int) -> None:
-    """Average the gradients (this rank's shards of DTensor ones) over the
-    ``size`` ranks of ``group``, in one all-reduce."""
-    if size == 1:
-        return
-    grads = []
-    for param in params:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        grads.append(_local(param.grad))
-    flat = torch._utils._flatten_dense_tensors(grads)
-    torch.distributed.all_reduce(flat, group=group)
-    flat /= size
-    torch._foreach_copy_(
-        grads, list(torch._utils._unflatten_dense_tensors(flat, grads))
-    )
-
-
-def clip_gradients(params: list[nn.Parameter], max_norm: float) -> None:
-    """Clip the gradients by their global norm, where they may be DTensors on
-    different meshes (tensor-parallel blocks, FSDP x TP) beside plain tensors
-    that every rank holds alike: torch's ``clip_grad_norm_`` mixes neither."""
-    groups: dict = {}
-    for param in params:
-        if param.grad is not None:
-            grad = param.grad
-            mesh = grad.device_mesh if isinstance(grad, DTensor) else None
-            groups.setdefault(mesh, []).append(param)
-    if len(groups) <= 1:
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return
-    norms = []
-    for mesh, group in groups.items():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
-        # The norm of DTensors is a DTensor (torch types it a Tensor).
-        norms.append(norm if mesh is None else cast(DTensor, norm).full_tensor())
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    for group in groups.values():  # parameters, whose .grad is scaled
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def step_optimizer(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    clip_grad_norm: float,
-    check_skip: bool = False,
-) -> bool:
-    """Step (with loss scaling and clipping); with ``check_skip``, False if the
-    GradScaler skipped the step.
-
-    The gradients stay until the next step's backward replaces them.
-    """
-    if clip_grad_norm > 0:
-        scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
-        clip_gradients(list(model.parameters()), clip_grad_norm)
-    if not (check_skip and scaler.is_enabled()):
-        scaler.step(optimizer)
-        scaler.update()
-        return True
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
-        # A fused optimizer (fused=True; we build none) always gets step() and
-        # skips on the device. The scaler backs off (lowers its scale) exactly
-        # when it skips: reading the scale before and after costs two syncs.
-        scale = scaler.get_scale()
-        scaler.step(optimizer)
-        scaler.update()
-        return scaler.get_scale() >= scale
-    # GradScaler.step calls optimizer.step only if the gradients are finite, a
-    # decision it reads on the host anyway (one .item() per step, in
-    # GradScaler._maybe_opt_step of torch/amp/grad_scaler.py): a step post-hook
-    # hears it without another synchronization.
-    stepped = []
-    hook = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
-    try:
-        scaler.step(optimizer)
-    finally:
-        hook.remove()
-    scaler.update()
-    return bool(stepped)
 
 
 class Strategy:
@@ -338,7 +253,18 @@ class Strategy:
         self.reduce_gradients(model)
         clip = self.spec.clip_grad_norm
         check_skip = state.ema is not None
-        return step_optimizer(model, state.optimizer, state.scaler, clip, check_skip)
+        norm_of = self.gradient_norm if state.norm_wanted else None
+        stepped = step_optimizer(
+            model, state.optimizer, state.scaler, clip, check_skip, norm_of
+        )
+        state.grad_norm = stepped.grad_norm if state.norm_wanted else None
+        return stepped.taken
+
+    def gradient_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The global norm of this process's ``params``' gradients, reduced
+        (before clipping; every rank gets it): what ``clip_grad_norm_`` would
+        return for the whole model's gradients in one process."""
+        return gradient_norm(params)
 
     def reduce_gradients(self, model: nn.Module) -> None:
         """Finish the gradients after the last backward of a step, where the

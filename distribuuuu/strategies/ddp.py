@@ -25,7 +25,8 @@ from distribuuuu.dist import group as du
 from distribuuuu.models.ema import ModelEma
 from distribuuuu.models.syncbn import GroupSyncBatchNorm
 from distribuuuu.strategies import comm_hooks
-from distribuuuu.strategies.base import Strategy, average_gradients
+from distribuuuu.strategies.base import Strategy
+from distribuuuu.strategies.gradients import average_gradients
 from distribuuuu.strategies.registry import register
 from distribuuuu.strategies.spec import StrategySpec
 

@@ -286,6 +286,8 @@ class DeepSpeedStrategy(Strategy):
             engine.backward(loss)
             engine.step()
             meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
+        # ZeRO's step measures the norm before clipping, every step.
+        state.grad_norm = engine.get_global_grad_norm() if state.norm_wanted else None
         return engine.was_step_applied()
 
     # --- state in our checkpoint layout ---------------------------------- #

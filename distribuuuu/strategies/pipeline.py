@@ -60,12 +60,8 @@ from distribuuuu.models.chains import (
     named_bounds,
     step_sizes,
 )
-from distribuuuu.strategies.base import (
-    MicroBatch,
-    Strategy,
-    average_gradients,
-    step_optimizer,
-)
+from distribuuuu.strategies.base import MicroBatch, Strategy
+from distribuuuu.strategies.gradients import average_gradients, step_optimizer
 from distribuuuu.strategies.mesh import ParallelDims
 from distribuuuu.strategies.optimizer_keys import (
     keyed_by_name,
@@ -388,18 +384,22 @@ class PipelineStrategy(Strategy):
                 seen.clear()
         params = list(state.model.parameters())
         average_gradients(params, self.dp_group, self.dp_size)
-        clip = self.spec.clip_grad_norm
-        if clip > 0:
-            self._clip_global_norm(params, clip)
-        return step_optimizer(state.model, state.optimizer, state.scaler, 0.0)
+        clip, state.grad_norm = self.spec.clip_grad_norm, None
+        if clip > 0 or state.norm_wanted:
+            norm = self.gradient_norm(params)
+            if clip > 0:  # by the norm of the gradients of all stages together
+                torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+            state.grad_norm = norm if state.norm_wanted else None
+        return step_optimizer(state.model, state.optimizer, state.scaler, 0.0).taken
 
-    def _clip_global_norm(self, params: list[nn.Parameter], max_norm: float) -> None:
-        """Clip by the norm of the gradients of all stages together."""
+    def gradient_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The norm of the gradients of all stages together (the replicas of
+        a stage hold the same, averaged)."""
         grads = [p.grad for p in params if p.grad is not None]
         local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else None
         squared = torch.zeros((), device=self.device) if local is None else local**2
         dist.all_reduce(squared, group=self.pp_group)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, squared.sqrt())
+        return squared.sqrt()
 
     # --- evaluation ------------------------------------------------------ #
     def eval_model(self, model: nn.Module) -> nn.Module:

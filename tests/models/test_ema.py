@@ -26,7 +26,7 @@ from distribuuuu import checkpoint as cp
 from distribuuuu.models import build_model
 from distribuuuu.models.ema import ModelEma, warmed_up_decay
 from distribuuuu.models.syncbn import recompute_bn_statistics
-from distribuuuu.strategies.base import step_optimizer
+from distribuuuu.strategies.gradients import step_optimizer
 
 # resnet8 (BatchNorm: buffers are averaged too) on a few synthetic images:
 # 4 steps per epoch, a checkpoint every 3 steps, every checkpoint kept.
@@ -90,11 +90,11 @@ def test_a_step_the_grad_scaler_skips_leaves_the_ema_alone():
     ema = ModelEma(model, decay=0.5, warmup=False)
     before = model.weight.detach().clone()
     scaler.scale(model(torch.full((1, 3), float("inf"))).sum()).backward()
-    assert not step_optimizer(model, optimizer, scaler, 0.0, check_skip=True)
+    assert not step_optimizer(model, optimizer, scaler, 0.0, check_skip=True).taken
     assert torch.equal(model.weight, before)  # GradScaler skipped the step
     optimizer.zero_grad()
     scaler.scale(model(torch.ones(1, 3)).sum()).backward()
-    assert step_optimizer(model, optimizer, scaler, 0.0, check_skip=True)
+    assert step_optimizer(model, optimizer, scaler, 0.0, check_skip=True).taken
     ema.step()
     assert ema.counters() == {"steps": 1, "updates": 1}
     torch.testing.assert_close(ema.tensors()["weight"], (before + model.weight) / 2)

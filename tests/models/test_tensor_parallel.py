@@ -32,7 +32,7 @@ from distribuuuu.models.tensor_parallel import (
     share_random_state,
 )
 from distribuuuu.models.vit import split_torchvision_attention
-from distribuuuu.strategies.base import average_gradients, clip_gradients
+from distribuuuu.strategies.gradients import average_gradients, clip_gradients
 
 VIT = ["--cfg", "config/digits_vit_tiny.yaml", "OPTIM.MAX_EPOCH", "1"]
 # One epoch of 8 steps of 64 (an eighth of the digits' time), 200 val images,
