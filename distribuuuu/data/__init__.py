@@ -17,6 +17,7 @@ from distribuuuu.data import datasets as ds
 from distribuuuu.data import gpu_decode, image_files, turbo
 from distribuuuu.data.batch_ring import RingLoader
 from distribuuuu.data.datasets import count_images, find_image_files
+from distribuuuu.data.folder_index import shared_listing
 from distribuuuu.data.jpeg import (
     JpegFile,
     jpeg_bytes,
@@ -251,7 +252,8 @@ def build_dataset(spec: DataSpec, train: bool) -> ImageDataset:
 def _image_folder_dataset(
     spec: DataSpec, train: bool, transform: v2.Transform
 ) -> ds.CheckedImageFolder | ds.SkipUnreadable:
-    """The class folders of the train or val split, read by DATA.DECODER."""
+    """The class folders of the train or val split, read by DATA.DECODER;
+    listed once, by rank 0, for every rank (see :func:`shared_listing`)."""
     path, key = _image_folder(spec, train)
     reader: Callable[[str], Any] = image_reader(spec.decoder)
     if spec.decoder == "gpu":  # the workers serve bytes and crop draws
@@ -259,7 +261,8 @@ def _image_folder_dataset(
         reader = read_or_defer
     elif train and spec.decoder == "fused":  # the crop window is decoded
         reader = read_or_defer
-    dataset = ds.CheckedImageFolder(path, transform, key, reader)
+    listing = shared_listing(path, key, spec.index_cache, spec.write_index)
+    dataset = ds.CheckedImageFolder(path, transform, key, reader, listing)
     _check_class_count(key, path, len(dataset.classes), spec.num_classes)
     return ds.SkipUnreadable(dataset) if spec.skip_corrupt else dataset
 
