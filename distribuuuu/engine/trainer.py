@@ -466,7 +466,7 @@ def evaluate_checkpoint(cfg: CfgNode) -> dict:
         Watchdog(cfg.DATA.TIMEOUT, info.rank) as watchdog,
     ):
         path = weights_to_evaluate(cfg.MODEL.WEIGHTS, cfg.OUT_DIR)
-        data = specs.data_spec(cfg)
+        data = dataclasses.replace(specs.data_spec(cfg), write_index=True)
         val_set = build_dataset(data, train=False)
         model = build_model(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES)
         cp.load_model_weights(model, cp.load_file(path), path)

@@ -8,6 +8,7 @@ never followed; and on 4 ranks only rank 0 lists the folder.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -19,8 +20,11 @@ import pytest
 import torch.distributed as dist
 from helpers import run_on_ranks, run_parts
 
+from distribuuuu.config import load_cfg
+from distribuuuu.data import build_dataset
 from distribuuuu.data import datasets as ds
 from distribuuuu.data import folder_index as fi
+from distribuuuu.engine.specs import data_spec
 from distribuuuu.errors import DataError
 from distribuuuu.tools.train_net import main as train_net_main
 
@@ -203,6 +207,21 @@ def test_an_index_of_folders_changed_just_now_is_not_trusted(tmp_path, caplog):
     assert "not written" in caplog.text and not cache.exists()
     index = fi.scan_split(str(split), KEY)
     assert "just before" in str(fi.stale_reason(index, str(split)))
+
+
+def test_only_a_run_writes_the_index_to_out_dir(tmp_path):
+    """DATA.INDEX_CACHE "" is OUT_DIR/data_index; a data set built outside
+    a run (a tool, a test; a dry run) reads an index there but writes none."""
+    split = make_tree(tmp_path / "data")
+    root, out = str(split.parent), tmp_path / "out"
+    args = ["DATA.NAME", "imagefolder", "TRAIN.DATASET", root, "TEST.DATASET"]
+    args += [root, "TEST.SPLIT", "train", "OUT_DIR", str(out)]
+    spec = data_spec(load_cfg(None, [*args, "MODEL.NUM_CLASSES", "5"]))
+    assert spec.index_cache == str(out / "data_index")
+    build_dataset(spec, train=True)
+    assert not out.exists()
+    build_dataset(dataclasses.replace(spec, write_index=True), train=True)
+    assert len(os.listdir(out / "data_index")) == 1
 
 
 @pytest.mark.parametrize("value", ["bad\0path", "file", "inside"])
