@@ -32,7 +32,12 @@ from typing import Any
 
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from distribuuuu.data.datasets import FolderStamps, folder_stamp, scan_image_classes
+from distribuuuu.data.datasets import (
+    FolderStamps,
+    find_image_classes,
+    folder_stamp,
+    scan_image_classes,
+)
 from distribuuuu.dist import group as du
 from distribuuuu.errors import DataError, DiskFullError, OutputPathError
 from distribuuuu.fileio import atomic_write
@@ -355,3 +360,12 @@ def shared_listing(
         return decode_index(payload[1:]).listing(path)
     except RefusedIndexError as error:  # rank 0 sent it: a bug, not the input
         raise DataError(f"{key} {path}: rank 0's index: {error}") from error
+
+
+def split_classes(cache: str, path: str, key: str) -> list[str]:
+    """The classes of split ``path``, checked as
+    :func:`~distribuuuu.data.datasets.find_image_classes` checks them: from
+    the split's index in folder ``cache`` while it is current (the listing
+    that made it checked them; only its folders are stat-ed), else listed."""
+    index = read_index(index_file(cache, path), path) if cache else None
+    return find_image_classes(path, key) if index is None else index.classes

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from helpers import run_on_ranks, run_parts
 
 from distribuuuu.config import load_cfg
-from distribuuuu.data import build_dataset
+from distribuuuu.data import build_dataset, check_data
 from distribuuuu.data import datasets as ds
 from distribuuuu.data import folder_index as fi
 from distribuuuu.engine.specs import data_spec
@@ -209,9 +209,10 @@ def test_an_index_of_folders_changed_just_now_is_not_trusted(tmp_path, caplog):
     assert "just before" in str(fi.stale_reason(index, str(split)))
 
 
-def test_only_a_run_writes_the_index_to_out_dir(tmp_path):
+def test_a_run_writes_the_index_and_the_preflight_reads_it(tmp_path, monkeypatch):
     """DATA.INDEX_CACHE "" is OUT_DIR/data_index; a data set built outside
-    a run (a tool, a test; a dry run) reads an index there but writes none."""
+    a run (a tool, a test; a dry run) writes no index there.  The pre-flight
+    check of the classes lists nothing while the index is current."""
     split = make_tree(tmp_path / "data")
     root, out = str(split.parent), tmp_path / "out"
     args = ["DATA.NAME", "imagefolder", "TRAIN.DATASET", root, "TEST.DATASET"]
@@ -222,6 +223,12 @@ def test_only_a_run_writes_the_index_to_out_dir(tmp_path):
     assert not out.exists()
     build_dataset(dataclasses.replace(spec, write_index=True), train=True)
     assert len(os.listdir(out / "data_index")) == 1
+    scandirs = Scandirs(monkeypatch)
+    check_data(spec)
+    assert scandirs.calls == 0
+    (split / "a" / "sub" / "12.jpg").write_bytes(b"")
+    check_data(spec)
+    assert scandirs.calls > 0
 
 
 @pytest.mark.parametrize("value", ["bad\0path", "file", "inside"])
