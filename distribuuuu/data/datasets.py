@@ -151,7 +151,8 @@ def walk_folder(
     the split of a class folder ``top``), is skipped, tracked by device and
     inode; so a link loop ends at once and each file is listed once.  Folders
     that cannot be listed are skipped, as ``os.walk`` does.  ``stamps`` gets
-    the :func:`folder_stamp` of each folder listed, taken before its listing.
+    the :func:`folder_stamp` of each folder listed, taken before its listing,
+    and :data:`UNLISTED` for one that could not be listed.
     """
     holders = _holding_folders(top)
     if within is not None:
@@ -163,12 +164,14 @@ def walk_folder(
     todo = [top]
     while todo:
         folder = todo.pop()
-        try:
-            if stamps is not None:
-                stamps[folder] = folder_stamp(folder)
+        listed, stamp = None, UNLISTED
+        with contextlib.suppress(OSError):
+            stamp = folder_stamp(folder) if stamps is not None else UNLISTED
             with os.scandir(folder) as entries:
                 listed = sorted((entry.name, _kind(entry)) for entry in entries)
-        except OSError:
+        if stamps is not None:
+            stamps[folder] = UNLISTED if listed is None else stamp
+        if listed is None:
             continue
         yield folder, [name for name, kind in listed if kind == "file"]
         below = []
@@ -184,6 +187,9 @@ def walk_folder(
 # an entry of its own is added, removed or renamed; the inode, when the
 # folder itself is replaced (by one whose times were copied, as rsync -a does).
 FolderStamps = dict[str, tuple[int, int]]
+# The stamp of a folder that could not be listed: its time would not tell
+# when it can be (a change of its permissions leaves the time alone).
+UNLISTED = (-1, 0)
 
 
 def folder_stamp(path: str) -> tuple[int, int]:

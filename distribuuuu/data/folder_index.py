@@ -33,6 +33,7 @@ from typing import Any
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from distribuuuu.data.datasets import (
+    UNLISTED,
     FolderStamps,
     find_image_classes,
     folder_stamp,
@@ -281,6 +282,9 @@ def write_index(file: str, index: FolderIndex, data: bytes) -> None:
     """Write ``data``, the encoding of ``index``, to ``file`` atomically; a
     failure is a warning (the run has its index), as is an index too large
     to be read back; one made while its folders change is not written."""
+    if UNLISTED in index.folders.values():
+        logger.warning("data index %s not written: a folder could not be listed", file)
+        return
     if any(t >= index.scanned_ns - RACY_NS for t, _ in index.folders.values()):
         logger.info("data index %s not written: its folders changed just now", file)
         return

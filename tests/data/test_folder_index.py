@@ -209,6 +209,28 @@ def test_an_index_of_folders_changed_just_now_is_not_trusted(tmp_path, caplog):
     assert "just before" in str(fi.stale_reason(index, str(split)))
 
 
+def test_an_index_missing_a_folder_that_could_not_be_listed_is_not_written(
+    tmp_path, monkeypatch, caplog
+):
+    """A folder that cannot be listed is skipped, as the walk skips it, but
+    no index keeps the listing: a change of its permissions would not
+    change its time, and its files would stay missing."""
+    split = make_tree(tmp_path)
+    locked, scandir = str(split / "a" / "sub"), os.scandir
+
+    def refuse(path):
+        if os.fspath(path) == locked:
+            raise PermissionError(13, "Permission denied", path)
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refuse)
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger=fi.__name__):
+        listing = fi.shared_listing(str(split), KEY, str(cache))
+    assert listing == walked(split) and "3.jpeg" not in str(listing)
+    assert "could not be listed" in caplog.text and not cache.exists()
+
+
 def test_a_run_writes_the_index_and_the_preflight_reads_it(tmp_path, monkeypatch):
     """DATA.INDEX_CACHE "" is OUT_DIR/data_index; a data set built outside
     a run (a tool, a test; a dry run) writes no index there.  The pre-flight
