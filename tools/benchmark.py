@@ -25,6 +25,9 @@ Measurements, printed as a table and written as JSON (``--out``):
 * stop check: seconds of the ranks' agreement on a stop request (2 local gloo
   ranks), and its cost per training step with DIST.STOP_CHECK_STEPS, also as
   a share of the measured train step;
+* ``--only scan``: start-up listing of a synthetic 200 k-file split
+  (``--scan-files``) on 4 gloo ranks: every rank, rank 0 alone, rank 0's
+  index (distribuuuu.bench.folder_scan); not in ``--short``'s default.
 * ``--only pipeline``: GPipe's and 1F1B's bubble (distribuuuu.bench.pipeline_bubble).
 * ``--only plan``: the planner against measurement (docs/planner.md): its
   memory per rank beside real gloo ranks' peaks for every strategy on 2 and
@@ -65,6 +68,7 @@ from distribuuuu.bench.baselines import (
     minimal_train,
 )
 from distribuuuu.bench.data_throughput import capped_shard_sides, data_pipeline_sides
+from distribuuuu.bench.folder_scan import format_folder_scan, measure_folder_scan
 from distribuuuu.bench.overheads import (
     format_stop_check,
     measure_startup,
@@ -131,13 +135,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="tensor,pil",
         help="other DATA.DECODER values measured beside the default ('': none)",
     )
-    add("--only", default="train,data,eval,startup,stop", help="...,pipeline,plan")
+    add("--only", default="train,data,eval,startup,stop", help="...,pipeline,plan,scan")
+    add("--scan-files", type=int, default=200_000, help="files of the scan row")
     add("--short", action="store_true", help="tiny sizes, 2 repeats (smoke test)")
     add("--out", default="benchmark.json", help="JSON file to write")
     args = parser.parse_args(argv)
     if args.short:
         args.steps, args.repeats, args.data_images = 3, 2, 16
-        args.data_im_size, args.data_batch = 64, 8
+        args.data_im_size, args.data_batch, args.scan_files = 64, 8, 2000
     return args
 
 
@@ -430,6 +435,8 @@ def format_table(results: dict) -> str:
         lines.append(format_plan_timing(results["plan_timing"]))
     if "plan_links" in results:
         lines.append(format_plan_links(results["plan_links"]))
+    if "folder_scan" in results:
+        lines.append(format_folder_scan(results["folder_scan"]))
     return "\n".join(lines)
 
 
@@ -457,6 +464,8 @@ def main(argv: list[str] | None = None) -> dict:
             results["stop_check"] = stop_check_cost(
                 cfg.DIST.STOP_CHECK_STEPS, step_s, args.short, args.repeats
             )
+    if "scan" in what:
+        results["folder_scan"] = measure_folder_scan(args.scan_files, 4, args.repeats)
     if "pipeline" in what:
         results["pipeline"] = measure_bubble(repeats=args.repeats)
     if "plan" in what:

@@ -45,15 +45,21 @@ def measure_stop_check(ranks: int = 2, calls: int = 200, repeats: int = 5) -> di
     """Seconds of one stop check between ``ranks`` local gloo processes: the
     median, slowest and fastest of ``repeats`` means over ``calls`` checks."""
     with tempfile.TemporaryDirectory(prefix="distribuuuu-stop-") as work:
-        out = os.path.join(work, "seconds.pt")
-        mp.start_processes(
-            _rank_main,
-            args=(ranks, find_free_port(), calls, repeats, out),
-            nprocs=ranks,
-            start_method="spawn",
-        )
-        seconds = torch.load(out, weights_only=True)
+        seconds = on_local_ranks(_rank_main, ranks, (calls, repeats), work)
     return {**summarize(seconds), "ranks": ranks}
+
+
+def on_local_ranks(main, ranks: int, args: tuple, work: str):
+    """Run ``main(rank, ranks, port, *args, out)`` in ``ranks`` new local
+    processes; return what rank 0 saved to ``out`` (a file in ``work``)."""
+    out = os.path.join(work, "result.pt")
+    mp.start_processes(
+        main,
+        args=(ranks, find_free_port(), *args, out),
+        nprocs=ranks,
+        start_method="spawn",
+    )
+    return torch.load(out, weights_only=True)
 
 
 def summarize(values: list[float]) -> dict:

@@ -151,6 +151,13 @@ _C.DATA.SHUFFLE_BUFFER = 1000
 # rank, the loader and its workers; the other ranks stop too and name it.
 # Far above any real wait (a first batch starts the workers) (0 = off)
 _C.DATA.TIMEOUT = 600
+# imagefolder: the folder of the splits' index files (classes, image paths and
+# the time of every folder listed). Rank 0 alone lists a split, or reads its
+# index there while no folder changed, and sends it to the other ranks, which
+# list nothing. "" = OUT_DIR/data_index; a folder shared by runs (on a file
+# system rank 0 of every run reaches) lists a data set once for all of them;
+# none = no index file (rank 0 still lists for every rank)
+_C.DATA.INDEX_CACHE = ""
 
 # ---------------------------------------------------------------------------- #
 # Training

@@ -205,6 +205,39 @@ def _check_data_paths(cfg: CfgNode, name: str) -> None:
                 )
 
 
+def _check_index_cache(cfg: CfgNode, name: str) -> None:
+    """DATA.INDEX_CACHE: "", none or a path (a stat, nothing written): no
+    NUL or line break, not an existing non-folder, a missing folder that can
+    be made, and for imagefolder not inside a split, whose folder times its
+    files would change.  An existing folder may be read-only: an index
+    prepared for the run (a stale one is listed again, not written)."""
+    value = cfg.DATA.INDEX_CACHE
+    allowed = '"" (OUT_DIR/data_index), none or a folder'
+    _check(not any(c in value for c in "\0\n\r"), "DATA.INDEX_CACHE", value, allowed)
+    if value in ("", "none"):
+        return
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise ConfigError(f"DATA.INDEX_CACHE {value}: exists but is not a folder")
+    nearest = os.path.abspath(value)
+    while not os.path.exists(nearest):  # a folder to make: can it be made?
+        nearest = os.path.dirname(nearest)
+    if nearest != os.path.abspath(value) and not os.access(nearest, os.W_OK):
+        raise ConfigError(
+            f"DATA.INDEX_CACHE {value}: cannot make it ({nearest} is not writable)"
+        )
+    if name != "imagefolder":
+        return
+    folder = os.path.realpath(value)
+    for section in ("TRAIN", "TEST"):
+        split = os.path.realpath(os.path.join(cfg[section].DATASET, cfg[section].SPLIT))
+        if os.path.commonpath([folder, split]) == split:
+            raise ConfigError(
+                f"DATA.INDEX_CACHE {value} is inside {section}.DATASET/"
+                f"{section}.SPLIT {split}: its files would change the split's "
+                "folders (a class of none); put it outside"
+            )
+
+
 def _validate_data(cfg: CfgNode) -> None:
     """DATA: resolve DATA.NAME in place, after checking its classes and folders."""
     name = resolve_data_name(cfg)
@@ -223,6 +256,7 @@ def _validate_data(cfg: CfgNode) -> None:
         "augmentation needs a sampler (DATA.NAME imagefolder)",
     )
     _check_data_paths(cfg, name)
+    _check_index_cache(cfg, name)
     if cfg.DATA.DECODER == "gpu":
         _validate_gpu_decoder(cfg, name)
     cfg.DATA.NAME = name

@@ -17,6 +17,7 @@ from distribuuuu.data import datasets as ds
 from distribuuuu.data import gpu_decode, image_files, turbo
 from distribuuuu.data.batch_ring import RingLoader
 from distribuuuu.data.datasets import count_images, find_image_files
+from distribuuuu.data.folder_index import shared_listing, split_classes
 from distribuuuu.data.jpeg import (
     JpegFile,
     jpeg_bytes,
@@ -251,7 +252,8 @@ def build_dataset(spec: DataSpec, train: bool) -> ImageDataset:
 def _image_folder_dataset(
     spec: DataSpec, train: bool, transform: v2.Transform
 ) -> ds.CheckedImageFolder | ds.SkipUnreadable:
-    """The class folders of the train or val split, read by DATA.DECODER."""
+    """The class folders of the train or val split, read by DATA.DECODER;
+    listed once, by rank 0, for every rank (see :func:`shared_listing`)."""
     path, key = _image_folder(spec, train)
     reader: Callable[[str], Any] = image_reader(spec.decoder)
     if spec.decoder == "gpu":  # the workers serve bytes and crop draws
@@ -259,7 +261,8 @@ def _image_folder_dataset(
         reader = read_or_defer
     elif train and spec.decoder == "fused":  # the crop window is decoded
         reader = read_or_defer
-    dataset = ds.CheckedImageFolder(path, transform, key, reader)
+    listing = shared_listing(path, key, spec.index_cache, spec.write_index)
+    dataset = ds.CheckedImageFolder(path, transform, key, reader, listing)
     _check_class_count(key, path, len(dataset.classes), spec.num_classes)
     return ds.SkipUnreadable(dataset) if spec.skip_corrupt else dataset
 
@@ -320,8 +323,8 @@ def check_data(spec: DataSpec, replicas: int | None = None, workers: int = 0) ->
 
     For imagefolder: both splits have class folders, none of them empty, the
     same classes (labels follow the sorted class names), and no more classes
-    than MODEL.NUM_CLASSES.  Cheap: it lists folders and stops at the first
-    image file of each class; it does not open images.
+    than MODEL.NUM_CLASSES.  Cheap: it stops at the first image of each class
+    (lists none while the split's index is current: :func:`split_classes`).
     """
     if spec.name == "webdataset":
         _check_shards(spec, replicas, workers)
@@ -329,9 +332,9 @@ def check_data(spec: DataSpec, replicas: int | None = None, workers: int = 0) ->
         return
     train_path, train_key = _image_folder(spec, train=True)
     val_path, val_key = _image_folder(spec, train=False)
-    train_classes = ds.find_image_classes(train_path, train_key)
+    train_classes = split_classes(spec.index_cache, train_path, train_key)
     _check_class_count(train_key, train_path, len(train_classes), spec.num_classes)
-    val_classes = ds.find_image_classes(val_path, val_key)
+    val_classes = split_classes(spec.index_cache, val_path, val_key)
     different = sorted(set(train_classes) ^ set(val_classes))
     if different:
         name = different[0]

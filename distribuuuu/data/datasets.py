@@ -138,7 +138,9 @@ def load_cifar(name: str, root: str, train: bool, download: bool):
     return images, torch.tensor(data.targets, dtype=torch.int64), list(data.classes)
 
 
-def walk_folder(top: str, within: str | None = None) -> Iterator[tuple[str, list[str]]]:
+def walk_folder(
+    top: str, within: str | None = None, stamps: FolderStamps | None = None
+) -> Iterator[tuple[str, list[str]]]:
     """Each folder under ``top``, ``top`` first, with the names of its regular
     files (or links to one: a FIFO, a socket, a device or a dangling link is
     no image, and reading a FIFO would wait for ever).
@@ -148,7 +150,9 @@ def walk_folder(top: str, within: str | None = None) -> Iterator[tuple[str, list
     to a folder already walked, or to one that holds ``top`` (or ``within``,
     the split of a class folder ``top``), is skipped, tracked by device and
     inode; so a link loop ends at once and each file is listed once.  Folders
-    that cannot be listed are skipped, as ``os.walk`` does.
+    that cannot be listed are skipped, as ``os.walk`` does.  ``stamps`` gets
+    the :func:`folder_stamp` of each folder listed, taken before its listing,
+    and :data:`UNLISTED` for one that could not be listed.
     """
     holders = _holding_folders(top)
     if within is not None:
@@ -160,10 +164,14 @@ def walk_folder(top: str, within: str | None = None) -> Iterator[tuple[str, list
     todo = [top]
     while todo:
         folder = todo.pop()
-        try:
+        listed, stamp = None, UNLISTED
+        with contextlib.suppress(OSError):
+            stamp = folder_stamp(folder) if stamps is not None else UNLISTED
             with os.scandir(folder) as entries:
                 listed = sorted((entry.name, _kind(entry)) for entry in entries)
-        except OSError:
+        if stamps is not None:
+            stamps[folder] = UNLISTED if listed is None else stamp
+        if listed is None:
             continue
         yield folder, [name for name, kind in listed if kind == "file"]
         below = []
@@ -173,6 +181,21 @@ def walk_folder(top: str, within: str | None = None) -> Iterator[tuple[str, list
             entered |= new
             below += [path] if new else []
         todo += reversed(below)
+
+
+# A folder's modification time (ns) and inode: a folder's time changes when
+# an entry of its own is added, removed or renamed; the inode, when the
+# folder itself is replaced (by one whose times were copied, as rsync -a does).
+FolderStamps = dict[str, tuple[int, int]]
+# The stamp of a folder that could not be listed: its time would not tell
+# when it can be (a change of its permissions leaves the time alone).
+UNLISTED = (-1, 0)
+
+
+def folder_stamp(path: str) -> tuple[int, int]:
+    """(modification time in ns, inode) of folder ``path`` (links followed)."""
+    stat = os.stat(path)
+    return stat.st_mtime_ns, stat.st_ino
 
 
 def _holding_folders(path: str) -> set[tuple[int, int]]:
@@ -213,13 +236,15 @@ def _is_folder(entry: os.DirEntry) -> bool:
         return False
 
 
-def find_image_files(top: str, within: str | None = None) -> list[str]:
+def find_image_files(
+    top: str, within: str | None = None, stamps: FolderStamps | None = None
+) -> list[str]:
     """Paths of the image files (by extension) under ``top``, folder by folder
     in sorted order (the order of torchvision's ImageFolder), each file once
-    (see :func:`walk_folder`)."""
+    (see :func:`walk_folder`, which fills ``stamps``)."""
     return [
         os.path.join(folder, name)
-        for folder, names in sorted(walk_folder(top, within))
+        for folder, names in sorted(walk_folder(top, within, stamps))
         for name in names
         if has_file_allowed_extension(name, IMG_EXTENSIONS)
     ]
@@ -248,14 +273,12 @@ def _holds_image(directory: str, within: str) -> bool:
     return False
 
 
-def find_image_classes(path: str, key: str) -> list[str]:
-    """The class folders of an ImageFolder split, in label order.
-
-    Raises a DataError naming ``key`` and the folder when ``path`` has no
-    class folders, a class folder holds no image file or links back to
-    ``path`` or a folder above it.
-    """
+def _class_folders(path: str, key: str, stamps: FolderStamps | None) -> list[str]:
+    """The sorted names of the folders in split ``path``; a DataError when it
+    cannot be listed or has none."""
     try:
+        if stamps is not None:
+            stamps[path] = folder_stamp(path)
         with os.scandir(path) as entries:
             classes = sorted(entry.name for entry in entries if _is_folder(entry))
     except OSError as error:
@@ -264,21 +287,62 @@ def find_image_classes(path: str, key: str) -> list[str]:
         raise DataError(
             f"{key} {path}: no class folders; expected {path}/<class>/<image>"
         )
+    return classes
+
+
+def _refuse_link_back(folder: str, key: str, holders: set) -> None:
+    """A DataError when class ``folder`` is one of ``holders`` (the split
+    folder or one above it): a link back, a loop."""
+    if _folder_ids([folder]) & holders:
+        raise DataError(
+            f"{key}: class folder {folder} is a link back to "
+            f"{os.path.realpath(folder)}, the split folder or one above it "
+            "(a loop)"
+        )
+
+
+def _empty_class(folder: str, key: str) -> DataError:
+    """The error of a class folder that holds no image file."""
+    return DataError(
+        f"{key}: empty class folder {folder}: no image "
+        f"files ({', '.join(IMG_EXTENSIONS)})"
+    )
+
+
+def find_image_classes(path: str, key: str) -> list[str]:
+    """The class folders of an ImageFolder split, in label order.
+
+    Raises a DataError naming ``key`` and the folder when ``path`` has no
+    class folders, a class folder holds no image file or links back to
+    ``path`` or a folder above it.
+    """
+    classes = _class_folders(path, key, None)
     holders = _holding_folders(path) | _folder_ids([path])
     for name in classes:
         folder = os.path.join(path, name)
-        if _folder_ids([folder]) & holders:
-            raise DataError(
-                f"{key}: class folder {folder} is a link back to "
-                f"{os.path.realpath(folder)}, the split folder or one above it "
-                "(a loop)"
-            )
+        _refuse_link_back(folder, key, holders)
         if not _holds_image(folder, path):
-            raise DataError(
-                f"{key}: empty class folder {os.path.join(path, name)}: no image "
-                f"files ({', '.join(IMG_EXTENSIONS)})"
-            )
+            raise _empty_class(folder, key)
     return classes
+
+
+def scan_image_classes(
+    path: str, key: str, stamps: FolderStamps | None = None
+) -> tuple[list[str], list[list[str]]]:
+    """The class folders of split ``path`` and each one's image files, by one
+    walk: what :func:`find_image_classes` and :func:`find_image_files` of each
+    class (within ``path``) give, with the same errors; ``stamps`` gets the
+    stamp of every folder listed."""
+    classes = _class_folders(path, key, stamps)
+    holders = _holding_folders(path) | _folder_ids([path])
+    files = []
+    for name in classes:
+        folder = os.path.join(path, name)
+        _refuse_link_back(folder, key, holders)
+        files.append(find_image_files(folder, path, stamps))
+        if not files[-1]:
+            raise _empty_class(folder, key)
+    return classes, files
 
 
 class CheckedImageFolder(ImageFolder):
@@ -298,9 +362,14 @@ class CheckedImageFolder(ImageFolder):
         transform: Callable | None,
         key: str,
         loader: Callable = load_image,
+        listing: tuple[list[str], list[list[str]]] | None = None,
     ):
         self.key = key
+        # The classes and each one's image files, as scan_image_classes lists
+        # them (the data set's index): given, or listed by find_classes.
+        self.listing = listing
         super().__init__(root, transform, loader=loader)
+        self.listing = None  # in the samples now; not pickled into the workers
         # Pickled into every loader worker: one shared copy, sent as a few
         # file descriptors, instead of a list of every path for each worker.
         self.samples = self.imgs = PackedSamples(self.samples)
@@ -308,7 +377,9 @@ class CheckedImageFolder(ImageFolder):
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         """Class names and their labels; every class folder holds an image."""
-        classes = find_image_classes(directory, self.key)
+        if self.listing is None:
+            self.listing = scan_image_classes(directory, self.key)
+        classes = self.listing[0]
         return classes, {name: label for label, name in enumerate(classes)}
 
     def make_dataset(
@@ -321,11 +392,14 @@ class CheckedImageFolder(ImageFolder):
     ) -> list[tuple[str, int]]:
         """(path, label) of every image file, each once (see :func:`walk_folder`);
         torchvision's own walk would follow a link loop until the path is too
-        long, or for ever."""
+        long, or for ever.  Listed with the classes, by one walk."""
+        if self.listing is None:
+            self.listing = scan_image_classes(directory, self.key)
+        classes, files = self.listing
         return [
-            (path, label)
-            for name, label in sorted(class_to_idx.items())
-            for path in find_image_files(os.path.join(directory, name), directory)
+            (path, class_to_idx[name])
+            for name, paths in zip(classes, files, strict=True)
+            for path in paths
         ]
 
 

@@ -50,6 +50,11 @@ class DataSpec:
     download: bool = False  # DATA.DOWNLOAD
     skip_corrupt: bool = False  # DATA.SKIP_CORRUPT
     synthetic_size: tuple[int, int] = (0, 0)  # DATA.SYNTHETIC_SIZE: train, val
+    # imagefolder: the folder of the splits' index files (DATA.INDEX_CACHE,
+    # resolved; "" none), and whether a new index is written there (by a
+    # training or evaluation run: not by a dry run, a tool or a test).
+    index_cache: str = ""
+    write_index: bool = False
 
 
 @dataclass(frozen=True)

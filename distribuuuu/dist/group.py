@@ -458,3 +458,25 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
+    """Rank ``src``'s ``data`` (None on the other ranks) on every process, as
+    raw bytes (nothing pickled) through host memory: over the gloo group of
+    the host-side checks where the default group is NCCL."""
+    if not is_distributed():
+        return data or b""
+    sending = get_rank() == src
+    if sending and data is None:
+        raise ValueError(f"rank {src} broadcasts, but has no bytes")
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src, group=_CONTROL_GROUP)
+    count = int(size.item())
+    if count == 0:
+        return b""
+    if data is not None and sending:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:
+        buffer = torch.empty(count, dtype=torch.uint8)
+    dist.broadcast(buffer, src, group=_CONTROL_GROUP)
+    return buffer.numpy().tobytes() if not sending else bytes(data or b"")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import yaml
@@ -232,7 +233,17 @@ def data_spec(cfg: CfgNode) -> DataSpec:
         transform=transform_spec(cfg),
         train_dataset=cfg.TRAIN.DATASET,
         train_split=cfg.TRAIN.SPLIT,
+        index_cache=index_cache_folder(cfg),
     )
+
+
+def index_cache_folder(cfg: CfgNode) -> str:
+    """DATA.INDEX_CACHE resolved: the folder of the splits' index files
+    (OUT_DIR/data_index for ""), or "" for none."""
+    value = cfg.DATA.INDEX_CACHE
+    if value == "none":
+        return ""
+    return value or os.path.join(cfg.OUT_DIR, "data_index")
 
 
 def loader_spec(cfg: CfgNode) -> LoaderSpec:

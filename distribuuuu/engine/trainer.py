@@ -120,7 +120,7 @@ def dry_run(cfg: CfgNode) -> dict:
         check = auto.PlanCheck(planned, device) if planned else None
         writer = MetricsWriter(cfg.OUT_DIR, enabled=False)
         state, train_loader, val_loader = build_train_state(
-            cfg, info, device, writer, check
+            cfg, info, device, writer, check, write_index=False
         )
         train_loader = watchdog.watch(train_loader, "train")
         val_loader = watchdog.watch(val_loader, "eval")
@@ -189,13 +189,15 @@ def build_train_state(
     device: torch.device,
     writer: MetricsWriter,
     check: auto.PlanCheck | None = None,
+    write_index: bool = True,
 ) -> tuple[TrainState, Loader, Loader]:
     """Data, model, strategy, optimizer, resume state and loaders of a
     training run.  Logs the start-up report; all ranks must call it.
-    ``check``: DIST.STRATEGY auto's, started before the model is prepared."""
+    ``check``: DIST.STRATEGY auto's, started before the model is prepared;
+    ``write_index``: False where nothing may be written (a dry run)."""
     seed = resolve_seed(cfg.RNG_SEED)
     seed_everything(seed + info.rank)
-    data = specs.data_spec(cfg)
+    data = dataclasses.replace(specs.data_spec(cfg), write_index=write_index)
     train_set = build_dataset(data, train=True)
     val_set = build_dataset(data, train=False)
     model, strategy, size = build_prepared(cfg, device, check)
@@ -464,7 +466,7 @@ def evaluate_checkpoint(cfg: CfgNode) -> dict:
         Watchdog(cfg.DATA.TIMEOUT, info.rank) as watchdog,
     ):
         path = weights_to_evaluate(cfg.MODEL.WEIGHTS, cfg.OUT_DIR)
-        data = specs.data_spec(cfg)
+        data = dataclasses.replace(specs.data_spec(cfg), write_index=True)
         val_set = build_dataset(data, train=False)
         model = build_model(cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES)
         cp.load_model_weights(model, cp.load_file(path), path)
