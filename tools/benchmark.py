@@ -25,17 +25,12 @@ Measurements, printed as a table and written as JSON (``--out``):
 * stop check: seconds of the ranks' agreement on a stop request (2 local gloo
   ranks), and its cost per training step with DIST.STOP_CHECK_STEPS, also as
   a share of the measured train step;
-* ``--only scan``: start-up listing of a synthetic 200 k-file split
-  (``--scan-files``) on 4 gloo ranks: every rank, rank 0 alone, rank 0's
-  index (distribuuuu.bench.folder_scan); not in ``--short``'s default.
-* ``--only pipeline``: GPipe's and 1F1B's bubble (distribuuuu.bench.pipeline_bubble).
-* ``--only plan``: the planner against measurement (docs/planner.md): its
-  memory per rank beside real gloo ranks' peaks for every strategy on 2 and
-  4 ranks (distribuuuu.bench.plan_accuracy), and its step time beside
-  measured steps of no sync, ddp, zero1 and fsdp on 2 ranks x 1 thread
-  (distribuuuu.bench.plan_timing), and ddp's step on paper beside ddp across
-  two namespaced nodes at 100 Mbit/s and 1 Gbit/s (distribuuuu.bench.plan_links;
-  root only).
+* ``--only`` rows outside the default set: ``scan`` (the listing of a 200 k-file
+  split on 4 gloo ranks, bench.folder_scan), ``hooks`` (bytes all-reduced and
+  seconds per DDP step with each DIST.DDP.COMM_HOOK, bench.comm_hooks),
+  ``pipeline`` (the bubble, bench.pipeline_bubble), ``plan`` (the planner
+  against measurement, docs/planner.md: bench.plan_accuracy, plan_timing, and
+  plan_links across two namespaced nodes, root only).
 
 The two sides of a measurement alternate, repeat after repeat (the first
 side changes every repeat), so that load from other processes on the machine
@@ -57,6 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torchvision
@@ -67,6 +63,7 @@ from distribuuuu.bench.baselines import (
     minimal_eval,
     minimal_train,
 )
+from distribuuuu.bench.comm_hooks import format_comm_hooks, measure_comm_hooks
 from distribuuuu.bench.data_throughput import capped_shard_sides, data_pipeline_sides
 from distribuuuu.bench.folder_scan import format_folder_scan, measure_folder_scan
 from distribuuuu.bench.overheads import (
@@ -135,7 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="tensor,pil",
         help="other DATA.DECODER values measured beside the default ('': none)",
     )
-    add("--only", default="train,data,eval,startup,stop", help="...,pipeline,plan,scan")
+    add(
+        "--only",
+        default="train,data,eval,startup,stop",
+        help="...,hooks,pipeline,plan,scan",
+    )
     add("--scan-files", type=int, default=200_000, help="files of the scan row")
     add("--short", action="store_true", help="tiny sizes, 2 repeats (smoke test)")
     add("--out", default="benchmark.json", help="JSON file to write")
@@ -427,16 +428,15 @@ def format_table(results: dict) -> str:
     if "stop_check" in results:
         lines.append(format_stop_check(results["stop_check"]))
     lines.append("img/cs: images per CPU-second of the process and its workers")
-    if "pipeline" in results:
-        lines.append(format_bubble(results["pipeline"]))
-    if "plan_memory" in results:
-        lines.append(format_accuracy(results["plan_memory"]))
-    if "plan_timing" in results:
-        lines.append(format_plan_timing(results["plan_timing"]))
-    if "plan_links" in results:
-        lines.append(format_plan_links(results["plan_links"]))
-    if "folder_scan" in results:
-        lines.append(format_folder_scan(results["folder_scan"]))
+    rows: dict[str, Callable[[Any], str]] = {
+        "pipeline": format_bubble,
+        "plan_memory": format_accuracy,
+        "plan_timing": format_plan_timing,
+        "plan_links": format_plan_links,
+        "folder_scan": format_folder_scan,
+        "comm_hooks": format_comm_hooks,
+    }
+    lines += [row(results[name]) for name, row in rows.items() if name in results]
     return "\n".join(lines)
 
 
@@ -466,6 +466,8 @@ def main(argv: list[str] | None = None) -> dict:
             )
     if "scan" in what:
         results["folder_scan"] = measure_folder_scan(args.scan_files, 4, args.repeats)
+    if "hooks" in what:
+        results["comm_hooks"] = measure_comm_hooks(cfg, args.repeats)
     if "pipeline" in what:
         results["pipeline"] = measure_bubble(repeats=args.repeats)
     if "plan" in what:
