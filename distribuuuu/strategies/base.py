@@ -78,8 +78,9 @@ class Strategy:
     """
 
     name: ClassVar[str] = ""
-    # False where the model's tensors must keep their contiguous layout.
-    supports_channels_last: ClassVar[bool] = True
+    # Why the model's tensors keep their contiguous layout under this
+    # strategy (MODEL.CHANNELS_LAST off, said in the log); "": they need not.
+    contiguous_only: ClassVar[str] = ""
     # Each process drives one device (so a node needs a GPU per process);
     # False for a process that drives every GPU it sees.
     one_device_per_process: ClassVar[bool] = True

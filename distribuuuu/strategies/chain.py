@@ -45,7 +45,7 @@ def checkpoint_activations(strategy: Strategy, model: nn.Module) -> nn.Module:
 
 def runs_channels_last(strategy: Strategy) -> bool:
     """Whether the model runs channels-last: asked, and kept by the strategy."""
-    return strategy.spec.channels_last and strategy.supports_channels_last
+    return strategy.spec.channels_last and not strategy.contiguous_only
 
 
 def to_channels_last(strategy: Strategy, model: nn.Module) -> nn.Module:
@@ -59,8 +59,9 @@ def to_channels_last(strategy: Strategy, model: nn.Module) -> nn.Module:
         return model.to(memory_format=torch.channels_last)
     if strategy.spec.channels_last:
         logger.info(
-            "channels-last: off under %s, which shards contiguous tensors",
-            strategy.name.upper(),
+            "channels-last: off under %s: %s",
+            strategy.name,
+            strategy.contiguous_only,
         )
     return model
 

@@ -155,7 +155,7 @@ class DeepSpeedStrategy(Strategy):
     """DeepSpeed's engine with ZeRO; our optimizer, schedule and checkpoints."""
 
     name = "deepspeed"
-    supports_channels_last = False  # ZeRO flattens the parameters
+    contiguous_only = "ZeRO flattens the parameters"
     refused = {
         FP16: "DIST.STRATEGY deepspeed (under autocast, DeepSpeed 0.19's ZeRO "
         "skips steps on loss-scaled gradients, never lowering the scale); use bf16"

@@ -105,7 +105,7 @@ class FSDPStrategy(Strategy):
     """FSDP2 ``fully_shard`` per block; sharded checkpoints."""
 
     name = "fsdp"
-    supports_channels_last = False  # FSDP shards contiguous tensors
+    contiguous_only = "FSDP shards contiguous parameters only"
     compiles = True
     takes_tensor_parallel = True
     refused = {

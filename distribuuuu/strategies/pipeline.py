@@ -241,7 +241,7 @@ class PipelineStrategy(Strategy):
     pipelines."""
 
     name = "pipeline"
-    supports_channels_last = False  # activations cross processes contiguous
+    contiguous_only = "its stages exchange contiguous activations"
     refused = {
         SYNCBN: _NAMED,
         PRECISE_BN: _NAMED,
