@@ -88,7 +88,9 @@ _C.MODEL.EMA_EVERY = 1
 # channels-last memory layout (NHWC): what cuDNN's tensor-core kernels prefer
 # (the usual choice on GPUs, with mixed precision), and faster on CPUs too:
 # resnet20 trained 6-26% faster on 2 CPU cores (docs/performance.md). Not
-# under DIST.STRATEGY fsdp, which shards contiguous parameters only
+# under DIST.STRATEGY fsdp and hsdp, which shard contiguous parameters only, or
+# deepspeed, whose ZeRO flattens them; a pipeline's stages run channels-last
+# and hand contiguous activations (and their gradients) to each other
 _C.MODEL.CHANNELS_LAST = True
 
 # ---------------------------------------------------------------------------- #

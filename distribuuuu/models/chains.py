@@ -356,6 +356,10 @@ class StagePart(nn.Module):
                 _adopt(self, model, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad:  # its gradient leaves a pipeline stage contiguous
+            x.register_hook(torch.Tensor.contiguous)
         for step in self._chain:
             x = step.run(self, x)
-        return x
+        # A channels-last stage hands on contiguous activations: what the
+        # pipeline sends between processes (a no-op for contiguous ones).
+        return x.contiguous()

@@ -241,7 +241,6 @@ class PipelineStrategy(Strategy):
     pipelines."""
 
     name = "pipeline"
-    contiguous_only = "its stages exchange contiguous activations"
     refused = {
         SYNCBN: _NAMED,
         PRECISE_BN: _NAMED,
