@@ -133,11 +133,15 @@ def micro_batches(
 ) -> Iterator[MicroBatch]:
     """The ``plan.accum`` micro-batches of one step, fetched as they are needed.
 
-    Each is normalised and put on the device, then mixed by ``loss_fn``
+    Each is normalised and put on the device (where the process reads the
+    images; its labels in any case), then mixed by ``loss_fn``
     (seeded by the micro-batch's place in the epoch's global order).
     """
     progress, plan, device = state.progress, state.plan, state.device
     loss_targets: torch.Tensor | Distilled
+    # A process that gets activations instead (a pipeline's later stage)
+    # leaves the images as loaded, unless mixing needs them beside the labels.
+    reads = state.strategy.reads_images(state.model) or loss_fn.mixer is not None
     # Micro-batch m of this replica starts at global position first + m * stride.
     replica = state.strategy.data_parallel()[0]
     first, stride = progress.consumed + replica, plan.per_rank * plan.world_size
@@ -145,7 +149,7 @@ def micro_batches(
         tic = time.perf_counter()
         images, targets = next(batches)
         clock.seconds += time.perf_counter() - tic
-        images = state.normalize(images)
+        images = state.normalize(images) if reads else images
         targets = targets.to(device, non_blocking=True)
         seed = mix_seed(progress.seed, progress.epoch, first + micro * stride)
         images, targets, loss_targets = loss_fn.mix(images, targets, seed)

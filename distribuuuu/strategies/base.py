@@ -205,6 +205,11 @@ class Strategy:
         (a pipeline's last stage holds them; its other stages return None)."""
         return self.tensor_parallel is None or self.tensor_parallel.rank == 0
 
+    def reads_images(self, model: nn.Module) -> bool:
+        """Whether this process's forward passes read the input images (a
+        pipeline's later stages get activations instead, and labels)."""
+        return True
+
     def describe(self, model: nn.Module) -> str:
         """A few words for the start-up report."""
         return self.name

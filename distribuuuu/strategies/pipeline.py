@@ -350,6 +350,9 @@ class PipelineStrategy(Strategy):
     def holds_outputs(self, model: nn.Module) -> bool:
         return self.last
 
+    def reads_images(self, model: nn.Module) -> bool:
+        return self.first
+
     # --- training -------------------------------------------------------- #
     def train_step(
         self,

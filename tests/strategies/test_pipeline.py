@@ -172,3 +172,39 @@ def test_two_stages_hold_at_most_0_6_of_the_parameters_per_process(tmp_path):
     assert_ok(pipeline)
     ddp_mb = round(parameter_mb(build_model("resnet20", 10)), 2)  # as reported
     assert _parameters_mb(pipeline.stdout) <= 0.6 * ddp_mb
+
+
+def test_a_later_stage_leaves_the_images_as_loaded():
+    """Only a process whose forward passes read images normalises them (a
+    pipeline's later stages get activations); mixing needs them anyway."""
+    from types import SimpleNamespace
+
+    from distribuuuu.engine.loop import DataClock, micro_batches
+    from distribuuuu.engine.losses import TrainLoss, build_mixer
+    from distribuuuu.engine.state import BatchPlan, Progress
+
+    normalised = []
+
+    def normalize(images):
+        normalised.append(images.shape)
+        return images.float()
+
+    batch = (torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.arange(4))
+    for reads, mixer, expected in ((True, None, 1), (False, None, 0), (False, 1, 1)):
+        strategy = SimpleNamespace(
+            data_parallel=lambda: (0, 1), reads_images=lambda model, r=reads: r
+        )
+        state = SimpleNamespace(
+            progress=Progress(),
+            plan=BatchPlan(4, 1, 1),
+            device=torch.device("cpu"),
+            strategy=strategy,
+            model=None,
+            normalize=normalize,
+            teacher=None,
+        )
+        loss = TrainLoss(4, mixer=build_mixer(4, mixup_alpha=0.2) if mixer else None)
+        normalised.clear()
+        ((images, labels, _),) = micro_batches(state, iter([batch]), loss, DataClock())
+        assert len(normalised) == expected
+        assert images.dtype == (torch.float32 if expected else torch.uint8)
