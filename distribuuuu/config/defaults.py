@@ -521,6 +521,13 @@ _C.LOG.CLOSE_TIMEOUT = 120.0
 # grad_norm, before clipping) exceeds this many times the median of the norms
 # logged before it: the first sign of a diverging run. 0 = off
 _C.LOG.GRAD_SPIKE = 10.0
+# Slow-rank report: the first stop check after each print step (see
+# DIST.STOP_CHECK_STEPS) carries every rank's wait for data and compute time per
+# step of the logged window to rank 0, in the check's own all-reduce. Rank 0
+# warns once per rank and cause when a rank's wait for data (or its compute,
+# where its whole step is longer) exceeds the median rank's by more than
+# (this - 1) x the median step, naming it and which is slow. 0 = off; else > 1
+_C.LOG.STRAGGLER_RATIO = 1.3
 _C.LOG.MLFLOW = CfgNode()
 # Tracking server or store ("" = MLFLOW_TRACKING_URI, else MLflow's default
 # ./mlruns)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from distribuuuu.reporting.meters import (
     per_class_top1,
     progress_bar,
 )
+from distribuuuu.reporting.stragglers import COMPUTE, DATA
 from distribuuuu.reporting.writer import MetricsWriter
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class LogSpec:
     workers: int = 0  # TRAIN.WORKERS, named in the data-bound warning
     decoder: str = ""  # DATA.DECODER, named in the data-bound warning
     grad_spike: float = 0.0  # LOG.GRAD_SPIKE; 0: no warning
+    straggler_ratio: float = 0.0  # LOG.STRAGGLER_RATIO; 0: no slow-rank warning
 
 
 class TrainStatus:
@@ -238,6 +241,41 @@ def watch_grad_norm(spec: LogSpec, state: TrainState, norm: float, step: int):
             median,
             spec.grad_spike,
         )
+
+
+def watch_slow_ranks(spec: LogSpec, state: TrainState) -> None:
+    """Rank 0 warns, once per rank and cause, when the timings the last stop
+    check carried show a rank slower than the median (LOG.STRAGGLER_RATIO)."""
+    rows = state.slow_ranks.rows
+    found = state.slow_ranks.update(spec.straggler_ratio)
+    if found is None or rows is None or not du.is_main_process():
+        return
+    rank, cause = found
+    data, compute = ([1000 * row[i] for row in rows] for i in (0, 1))
+    mine, theirs = (data, compute) if cause == DATA else (compute, data)
+    logger.warning(
+        "slow rank: rank %d of %d %s %.1f ms per step, %.1f ms more than the "
+        "median rank (%s %.1f ms): over (LOG.STRAGGLER_RATIO %g - 1) x the "
+        "median step of %.1f ms; every rank waits for it in the gradient "
+        "sync; %s",
+        rank,
+        len(rows),
+        "waits for data" if cause == DATA else "computes",
+        mine[rank],
+        mine[rank] - statistics.median(mine),
+        "it computes" if cause == DATA else "it waits for data",
+        theirs[rank],
+        spec.straggler_ratio,
+        statistics.median(d + c for d, c in zip(data, compute)),
+        SLOW_RANK_ADVICE[cause],
+    )
+
+
+# What to look at on a rank that holds the others back, by cause.
+SLOW_RANK_ADVICE = {
+    DATA: "feed it faster (its node's TRAIN.WORKERS, CPU load, disk or network)",
+    COMPUTE: "look at its device (clocks, temperature, other processes on it)",
+}
 
 
 def gather_peaks(peaks: dict[str, list[float]]) -> tuple[list, list, list]:
