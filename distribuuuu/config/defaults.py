@@ -524,9 +524,9 @@ _C.LOG.GRAD_SPIKE = 10.0
 # Slow-rank report: the first stop check after each print step (see
 # DIST.STOP_CHECK_STEPS) carries every rank's wait for data and compute time per
 # step of the logged window to rank 0, in the check's own all-reduce. Rank 0
-# warns once per rank and cause when a rank's wait for data (or its compute,
-# where its whole step is longer) exceeds the median rank's by more than
-# (this - 1) x the median step, naming it and which is slow. 0 = off; else > 1
+# warns once per rank and cause when a rank's step, not counting its waits for
+# the others, takes more than this many times the median rank's, naming it and
+# whether its wait for data or its compute is slow. 0 = off; else > 1
 _C.LOG.STRAGGLER_RATIO = 1.3
 _C.LOG.MLFLOW = CfgNode()
 # Tracking server or store ("" = MLFLOW_TRACKING_URI, else MLflow's default

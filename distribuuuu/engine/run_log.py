@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -250,24 +249,21 @@ def watch_slow_ranks(spec: LogSpec, state: TrainState) -> None:
     found = state.slow_ranks.update(spec.straggler_ratio)
     if found is None or rows is None or not du.is_main_process():
         return
-    rank, cause = found
-    data, compute = ([1000 * row[i] for row in rows] for i in (0, 1))
-    mine, theirs = (data, compute) if cause == DATA else (compute, data)
     logger.warning(
-        "slow rank: rank %d of %d %s %.1f ms per step, %.1f ms more than the "
-        "median rank (%s %.1f ms): over (LOG.STRAGGLER_RATIO %g - 1) x the "
-        "median step of %.1f ms; every rank waits for it in the gradient "
-        "sync; %s",
-        rank,
+        "slow rank: rank %d of %d takes %.1f ms per step, %.2f x the median "
+        "rank's %.1f ms (LOG.STRAGGLER_RATIO %g), not counting its waits for "
+        "the others: its %s is slow (%.1f ms per step, the median rank %.1f "
+        "ms); every rank waits for it in the gradient sync; %s",
+        found.rank,
         len(rows),
-        "waits for data" if cause == DATA else "computes",
-        mine[rank],
-        mine[rank] - statistics.median(mine),
-        "it computes" if cause == DATA else "it waits for data",
-        theirs[rank],
+        1000 * found.step,
+        found.step / max(found.median_step, 1e-9),
+        1000 * found.median_step,
         spec.straggler_ratio,
-        statistics.median(d + c for d, c in zip(data, compute)),
-        SLOW_RANK_ADVICE[cause],
+        "wait for data" if found.cause == DATA else "compute",
+        1000 * found.part,
+        1000 * found.median_part,
+        SLOW_RANK_ADVICE[found.cause],
     )
 
 

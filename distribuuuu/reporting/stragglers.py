@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -71,28 +72,46 @@ class ComputeClock:
         return seconds
 
 
-def slow_rank(rows: list[list[float]], ratio: float) -> tuple[int, str] | None:
-    """The rank more than ``ratio`` times slower than the median rank, and
-    whether its :data:`DATA` or its :data:`COMPUTE` is slow (None: none is).
+@dataclass(frozen=True)
+class SlowRank:
+    """A rank that holds the others back, and by how much (seconds per step)."""
+
+    rank: int
+    cause: str  # DATA or COMPUTE: which part of its step is slow
+    step: float  # its step, without waiting for the other ranks
+    median_step: float  # the median rank's
+    part: float  # its wait for data, or its compute
+    median_part: float  # the median rank's
+
+
+def slow_rank(rows: list[list[float]], ratio: float) -> SlowRank | None:
+    """The rank whose step takes more than ``ratio`` times the median rank's,
+    and whether its wait for data or its compute is slow (None: none is).
 
     ``rows``: every rank's ``[data, compute]`` seconds per step.  A rank's
-    compute includes its wait for the others in the gradient sync, so ranks
-    that synchronize every step measure about the same step time: the one
-    that waited longest for data held them all back.  Its compute is named
-    only where its whole step exceeds the median step.
+    compute includes its wait for the others in the gradient sync: the rank
+    that waited least, the one with the least compute, stands for what each
+    computes alone.  So the rank that waits longest for data is slow when its
+    wait plus that exceeds ``ratio`` times the median wait plus that.  Ranks
+    that synchronize every step measure about the same whole step; a rank's
+    compute is named only where its whole step exceeds ``ratio`` times the
+    median step and its compute is what exceeds the median most.
     """
     data = [row[0] for row in rows]
     compute = [row[1] for row in rows]
-    steps = [sum(row) for row in rows]
-    median_step = statistics.median(steps)
-    limit = (ratio - 1) * median_step  # seconds a rank may exceed the median by
+    alone, median_data = min(compute), statistics.median(data)
     rank = max(range(len(rows)), key=data.__getitem__)
-    if data[rank] - statistics.median(data) > limit:
-        return rank, DATA
+    step, median_step = data[rank] + alone, median_data + alone
+    if step > ratio * median_step:
+        return SlowRank(rank, DATA, step, median_step, data[rank], median_data)
+    steps = [sum(row) for row in rows]
     rank = max(range(len(rows)), key=steps.__getitem__)
-    longer = steps[rank] - median_step > limit
-    if longer and compute[rank] - statistics.median(compute) > limit:
-        return rank, COMPUTE
+    median_step, median_compute = statistics.median(steps), statistics.median(compute)
+    longer = steps[rank] > ratio * median_step
+    if longer and compute[rank] - median_compute > data[rank] - median_data:
+        return SlowRank(
+            rank, COMPUTE, steps[rank], median_step, compute[rank], median_compute
+        )
     return None
 
 
@@ -115,14 +134,14 @@ class SlowRankWatch:
         held, self.held = self.held, None
         return held
 
-    def update(self, ratio: float) -> tuple[int, str] | None:
-        """The slow rank and cause of the rows carried last, the first time
-        they are named (None otherwise; ``ratio`` 0 turns the watch off)."""
+    def update(self, ratio: float) -> SlowRank | None:
+        """The slow rank of the rows carried last, the first time that rank
+        is named for that cause (None otherwise; ``ratio`` 0 turns it off)."""
         rows, self.rows = self.rows, None
         if not rows or ratio <= 0:
             return None
         found = slow_rank(rows, ratio)
-        if found is None or found in self.named:
+        if found is None or (found.rank, found.cause) in self.named:
             return None
-        self.named.add(found)
+        self.named.add((found.rank, found.cause))
         return found

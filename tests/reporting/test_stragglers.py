@@ -24,29 +24,44 @@ from distribuuuu.reporting.stragglers import (
 MS = 1e-3
 
 
+def named(rows: list[list[float]], ratio: float = 1.3) -> tuple | None:
+    """(rank, cause) of the slow rank of ``rows`` (ms), or None."""
+    found = slow_rank([[MS * value for value in row] for row in rows], ratio)
+    return found and (found.rank, found.cause)
+
+
 def test_the_rank_that_waits_for_data_is_named_not_those_that_wait_for_it():
     # Rank 1 waits 60 ms for data; rank 0 waits for rank 1 inside its compute.
     rows = [[1 * MS, 70 * MS], [60 * MS, 10 * MS]]
-    assert slow_rank(rows, 1.3) == (1, DATA)
-    many = [[1 * MS, 70 * MS]] * 3 + [[60 * MS, 10 * MS]] + [[1 * MS, 70 * MS]] * 4
-    assert slow_rank(many, 1.3) == (3, DATA)
+    found = slow_rank(rows, 1.3)
+    assert found and (found.rank, found.cause) == (1, DATA)
+    # Alone it would take 60 + 10 ms; the median rank 30.5 + 10 ms.
+    assert (found.step, found.median_step) == pytest.approx((70 * MS, 40.5 * MS))
+    assert (found.part, found.median_part) == pytest.approx((60 * MS, 30.5 * MS))
+    assert named([[1, 70]] * 3 + [[60, 10]] + [[1, 70]] * 4) == (3, DATA)
+
+
+def test_a_loader_as_slow_as_the_compute_is_named_among_2_ranks():
+    # Rank 1 waits 12 ms for data, about as long as a step computes: 22 ms
+    # alone, against the median rank's (2 + 12) / 2 + 10 = 17 ms: 1.29 x.
+    assert named([[2, 22], [12, 10]], 1.3) is None
+    assert named([[2, 22], [12, 10]], 1.2) == (1, DATA)
 
 
 def test_ranks_alike_or_a_small_difference_name_none():
-    assert slow_rank([[2 * MS, 20 * MS]] * 4, 1.3) is None
-    # 4 ms more data wait than the median, in steps of about 22 ms: under 30%.
-    rows = [[2 * MS, 20 * MS], [6 * MS, 16 * MS], [2 * MS, 20 * MS]]
-    assert slow_rank(rows, 1.3) is None
+    assert named([[2, 20]] * 4) is None
+    # 4 ms more data wait than the median, in steps of about 20 ms.
+    assert named([[2, 20], [6, 16], [2, 20]]) is None
 
 
 def test_compute_is_named_where_the_whole_step_is_longer():
-    rows = [[1 * MS, 20 * MS], [1 * MS, 40 * MS], [1 * MS, 20 * MS]]
-    assert slow_rank(rows, 1.3) == (1, COMPUTE)
+    found = slow_rank([[1 * MS, 20 * MS], [1 * MS, 40 * MS], [1 * MS, 20 * MS]], 1.3)
+    assert found and (found.rank, found.cause) == (1, COMPUTE)
+    assert (found.part, found.median_part) == pytest.approx((40 * MS, 20 * MS))
     # A majority that waited for data: the fast rank's compute (its wait for
-    # them) is no slow compute.
-    assert (
-        slow_rank([[0, 40 * MS], [20 * MS, 20 * MS], [20 * MS, 20 * MS]], 1.3) is None
-    )
+    # them) is no slow compute, and the median rank is no slow rank.
+    assert named([[0, 40], [20, 20], [20, 20]]) is None
+    assert named([[50, 10], [50, 10], [0, 60]]) is None
 
 
 def test_the_watch_names_a_rank_and_cause_once_and_ratio_0_is_off():
@@ -58,7 +73,8 @@ def test_the_watch_names_a_rank_and_cause_once_and_ratio_0_is_off():
     watch.rows = slow
     assert watch.update(0) is None  # off
     watch.rows = slow
-    assert watch.update(1.3) == (1, DATA)
+    found = watch.update(1.3)
+    assert found and (found.rank, found.cause) == (1, DATA)
     watch.rows = slow
     assert watch.update(1.3) is None  # named already
     assert watch.update(1.3) is None  # nothing carried since
@@ -166,4 +182,5 @@ def test_a_rank_whose_loader_sleeps_is_named_in_the_log(tmp_path):
     with open(os.path.join(out, "log.txt"), encoding="utf-8") as log:
         warnings = [line for line in log if "slow rank" in line]
     assert len(warnings) == 1, warnings  # named once
-    assert "slow rank: rank 1 of 2 waits for data" in warnings[0]
+    assert "slow rank: rank 1 of 2 takes" in warnings[0]
+    assert "its wait for data is slow" in warnings[0]
