@@ -395,7 +395,9 @@ _C.DIST.REQUEUE = False
 # SIGUSR1 on any rank) every this many optimizer steps, and at each epoch's end:
 # one host all-reduce of 8 bytes then (about 0.4 ms between 2 local gloo ranks,
 # a few network round trips across nodes), so 20 puts its cost below 0.1% of
-# a 20 ms step. The stop lands at most this many steps after the signal: keep
+# a 20 ms step. The first check after a print step also carries every rank's
+# timings for LOG.STRAGGLER_RATIO (16 bytes more per rank, in the same
+# all-reduce). The stop lands at most this many steps after the signal: keep
 # that below Slurm's --signal lead time. One process checks every step (free)
 _C.DIST.STOP_CHECK_STEPS = 20
 # How the model is spread over devices: dp (one process driving all visible GPUs
