@@ -397,7 +397,9 @@ _C.DIST.REQUEUE = False
 # SIGUSR1 on any rank) every this many optimizer steps, and at each epoch's end:
 # one host all-reduce of 8 bytes then (about 0.4 ms between 2 local gloo ranks,
 # a few network round trips across nodes), so 20 puts its cost below 0.1% of
-# a 20 ms step. The stop lands at most this many steps after the signal: keep
+# a 20 ms step. The first check after a print step also carries every rank's
+# timings for LOG.STRAGGLER_RATIO (16 bytes more per rank, in the same
+# all-reduce). The stop lands at most this many steps after the signal: keep
 # that below Slurm's --signal lead time. One process checks every step (free)
 _C.DIST.STOP_CHECK_STEPS = 20
 # How the model is spread over devices: dp (one process driving all visible GPUs
@@ -523,6 +525,13 @@ _C.LOG.CLOSE_TIMEOUT = 120.0
 # grad_norm, before clipping) exceeds this many times the median of the norms
 # logged before it: the first sign of a diverging run. 0 = off
 _C.LOG.GRAD_SPIKE = 10.0
+# Slow-rank report: the first stop check after each print step (see
+# DIST.STOP_CHECK_STEPS) carries every rank's wait for data and compute time per
+# step of the logged window to rank 0, in the check's own all-reduce. Rank 0
+# warns once per rank and cause when a rank's step, not counting its waits for
+# the others, takes more than this many times the median rank's, naming it and
+# whether its wait for data or its compute is slow. 0 = off; else > 1
+_C.LOG.STRAGGLER_RATIO = 1.3
 _C.LOG.MLFLOW = CfgNode()
 # Tracking server or store ("" = MLFLOW_TRACKING_URI, else MLflow's default
 # ./mlruns)

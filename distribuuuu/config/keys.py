@@ -183,6 +183,7 @@ RANGES = {
     "OPTIM.REFERENCE_BATCH": _at_least(0, " (0 = off)"),
     "LOG.CLOSE_TIMEOUT": _at_least(0, " seconds"),
     "LOG.GRAD_SPIKE": _at_least(0, " (0 = off)"),
+    "LOG.STRAGGLER_RATIO": (lambda v: v == 0 or v > 1, "must be > 1, or 0 = off"),
     "OPTIM.MOMENTUM": _within("[0, 1)"),
     "OPTIM.DAMPENING": _within("[0, 1]"),
     "OPTIM.WARMUP_FACTOR": _within("(0, 1]"),

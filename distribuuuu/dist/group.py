@@ -28,7 +28,7 @@ import gc
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -394,6 +394,23 @@ def all_reduce_max_int(value: int) -> int:
     tensor = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
     return int(tensor.item())
+
+
+def all_reduce_max_int_with_rows(
+    value: int, row: Sequence[float]
+) -> tuple[int, list[list[float]]]:
+    """The largest ``value`` over all processes and every process's ``row``
+    (numbers >= 0, as many on every rank) in rank order: one all-reduce, as
+    :func:`all_reduce_max_int`'s, of a tensor where each rank fills its row."""
+    rank, world, width = get_rank(), get_world_size(), len(row)
+    tensor = torch.zeros(1 + world * width, dtype=torch.float64)
+    tensor[0], start = value, 1 + rank * width
+    tensor[start : start + width] = torch.tensor(row, dtype=torch.float64)
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
+    values = tensor.tolist()
+    rows = [values[1 + r * width : 1 + (r + 1) * width] for r in range(world)]
+    return int(values[0]), rows
 
 
 # The gloo group of the host-side checks when the default group cannot reduce

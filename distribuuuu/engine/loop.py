@@ -33,6 +33,7 @@ from distribuuuu.logger import end_status, live_console
 from distribuuuu.optim import build as optim
 from distribuuuu.optim.spec import ScheduleSpec
 from distribuuuu.reporting.meters import MetricSums
+from distribuuuu.reporting.stragglers import ComputeClock, SlowRankWatch
 from distribuuuu.strategies.base import MicroBatch
 from distribuuuu.strategies.precision import autocast
 
@@ -75,30 +76,20 @@ def train_epoch(
     profiler = StepProfiler.for_epoch(spec.profile, state, total - first)  # or None
     if profiler:
         batches = profiler.watch(batches)
-    data_time, window_start = 0.0, time.perf_counter()
+    window = TrainWindow(state.device)
     try:
         for step in range(first, total):
             lr = set_step_lr(spec.schedule, state, step / total)
             # A step that prints: the strategy measures the gradients' norm.
             state.norm_wanted = (step + 1) % spec.print_freq == 0 or step + 1 == total
             with profiler.step() if profiler else nullcontext():
-                data_time += train_step(state, batches, meter, loss_fn)
+                window.took(train_step(state, batches, meter, loss_fn, window.compute))
             progress.consumed += plan.global_batch
             state.clock.step()
             if state.norm_wanted:
-                stats = log_train_window(
-                    spec.log,
-                    state,
-                    meter,
-                    step=step,
-                    steps=total,
-                    lr=lr,
-                    elapsed=time.perf_counter() - window_start,
-                    data_time=data_time,
-                    window_steps=(step - first) % spec.print_freq + 1,
+                stats = end_window(
+                    spec, state, meter, window, step=step, steps=total, lr=lr
                 )
-                meter.reset()
-                data_time, window_start = 0.0, time.perf_counter()
                 if status:
                     status.window = stats
             if status:
@@ -112,6 +103,56 @@ def train_epoch(
         end_status(keep=True)
 
 
+class TrainWindow:
+    """This rank's print window: its optimizer steps, and its seconds since it
+    began, waiting for the loader, and computing."""
+
+    def __init__(self, device: torch.device):
+        self.compute = ComputeClock(device)
+        self.start, self.data, self.steps = time.perf_counter(), 0.0, 0
+
+    def took(self, data_seconds: float) -> None:
+        """One more step, which waited ``data_seconds`` for the loader."""
+        self.steps, self.data = self.steps + 1, self.data + data_seconds
+
+    def restart(self) -> None:
+        """Begin the next window (the compute clock was read)."""
+        self.start, self.data, self.steps = time.perf_counter(), 0.0, 0
+
+
+def end_window(
+    spec: LoopSpec,
+    state: TrainState,
+    meter: MetricSums,
+    window: TrainWindow,
+    *,
+    step: int,
+    steps: int,
+    lr: float,
+) -> dict:
+    """Log the print window that ends after optimizer step ``step`` (0-based)
+    of ``steps`` and return its metrics; hold this rank's data and compute
+    seconds per step for the next stop check (:class:`StopRequest`) to carry
+    to rank 0."""
+    stats = log_train_window(
+        spec.log,
+        state,
+        meter,
+        step=step,
+        steps=steps,
+        lr=lr,
+        elapsed=time.perf_counter() - window.start,
+        data_time=window.data,
+        window_steps=window.steps,
+    )
+    # Read after the window's metrics were: on CUDA their read waited already.
+    compute = window.compute.read()
+    state.slow_ranks.hold(window.data / window.steps, compute / window.steps)
+    meter.reset()
+    window.restart()
+    return stats
+
+
 def set_step_lr(schedule: ScheduleSpec, state: TrainState, fraction: float) -> float:
     """Set (and return) the learning rate of the step ``fraction`` into the
     epoch."""
@@ -122,10 +163,20 @@ def set_step_lr(schedule: ScheduleSpec, state: TrainState, fraction: float) -> f
 
 
 class DataClock:
-    """Seconds spent waiting for the loader."""
+    """Seconds spent waiting for the loader; the step's compute clock starts
+    once its first micro-batch is in, and the later waits are not compute."""
 
-    def __init__(self):
-        self.seconds = 0.0
+    def __init__(self, compute: ComputeClock | None = None):
+        self.seconds = self.later = 0.0  # all waits; those after the first
+        self.compute = compute
+
+    def waited(self, seconds: float, first: bool) -> None:
+        """The loader took ``seconds`` for a micro-batch (the step's ``first``)."""
+        self.seconds += seconds
+        if not first:
+            self.later += seconds
+        elif self.compute:
+            self.compute.start()
 
 
 def micro_batches(
@@ -148,7 +199,7 @@ def micro_batches(
     for micro in range(plan.accum):
         tic = time.perf_counter()
         images, targets = next(batches)
-        clock.seconds += time.perf_counter() - tic
+        clock.waited(time.perf_counter() - tic, first=micro == 0)
         images = state.normalize(images) if reads else images
         targets = targets.to(device, non_blocking=True)
         seed = mix_seed(progress.seed, progress.epoch, first + micro * stride)
@@ -174,7 +225,9 @@ def micro_batches(
 # - stop.agreed() in after_step every DIST.STOP_CHECK_STEPS steps, with more
 #   than one process: all_reduce_max_int through a CPU gloo group (.item() of a
 #   CPU tensor). No GPU sync, but a host collective: that step waits for the
-#   slowest rank's host.
+#   slowest rank's host. The first check after a print step reduces every
+#   rank's data and compute seconds with the signal instead, in that one
+#   collective (all_reduce_max_int_with_rows, 8 + 16 x ranks bytes).
 # - DATA.DECODER gpu, per micro-batch (per run of DECODE_PIXELS): the input
 #   step waits for the current stream before nvJPEG writes (data/gpu_decode.py
 #   decode_jpegs, pytorch/vision#9606), and torchvision's decode waits for its
@@ -192,20 +245,30 @@ def micro_batches(
 # gradients are sharded or staged), read with the window's metrics;
 # MetricSums.reduce (all_reduce + .tolist(), one sync); when the
 # window's loss is not finite, all_finite (one sync per device + a CPU collective).
+# The compute clock's CUDA events (two recorded per step, not syncs) are read
+# after that sync, when the last step's end event has passed already.
 # At checkpoint steps: all_finite and the state dicts copied to the CPU.
 def train_step(
-    state: TrainState, batches: Iterator, meter: MetricSums, loss_fn: TrainLoss
+    state: TrainState,
+    batches: Iterator,
+    meter: MetricSums,
+    loss_fn: TrainLoss,
+    compute: ComputeClock | None = None,
 ) -> float:
     """One optimizer step of ``plan.accum`` micro-batches; seconds spent on data.
 
     The strategy runs the step (gradients synchronized on the last
     micro-batch only); the EMA follows every step the optimizer took.
+    ``compute`` measures the step from its first micro-batch on, the waits
+    for the later ones aside.
     """
-    clock = DataClock()
+    clock = DataClock(compute)
     micro = micro_batches(state, batches, loss_fn, clock)
     stepped = state.strategy.train_step(state, micro, meter, loss_fn)
     if stepped and state.ema is not None:
         state.ema.step()
+    if compute:
+        compute.stop(waited=clock.later)
     return clock.seconds
 
 
@@ -230,10 +293,14 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         self.signum = signum
 
-    def agreed(self, step: int | None = None) -> int:
+    def agreed(
+        self, step: int | None = None, times: SlowRankWatch | None = None
+    ) -> int:
         """The signal any rank received (0 if none), after optimizer step
         ``step`` (1-based; None: the end of an epoch).  A collective call at
-        the steps that check, with more than one process."""
+        the steps that check, with more than one process; a check that finds
+        this rank's timings held in ``times`` carries every rank's in the same
+        collective (into ``times.rows``)."""
         if self.signum and not self.noted:
             self.noted = True
             when = "an epoch's end" if step is None else f"step {step}"
@@ -246,7 +313,12 @@ class StopRequest:
             )
         if step is not None and step % self.every and du.is_distributed():
             return 0
-        agreed = du.all_reduce_max_int(self.signum)
+        held = times.take() if times else None
+        if times and held and du.is_distributed():
+            # Held after the same print steps on every rank: all carry here.
+            agreed, times.rows = du.all_reduce_max_int_with_rows(self.signum, held)
+        else:
+            agreed = du.all_reduce_max_int(self.signum)
         self.stopping = self.stopping or bool(agreed)
         return agreed
 

@@ -26,6 +26,7 @@ from distribuuuu.reporting.meters import (
     per_class_top1,
     progress_bar,
 )
+from distribuuuu.reporting.stragglers import COMPUTE, DATA
 from distribuuuu.reporting.writer import MetricsWriter
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class LogSpec:
     workers: int = 0  # TRAIN.WORKERS, named in the data-bound warning
     decoder: str = ""  # DATA.DECODER, named in the data-bound warning
     grad_spike: float = 0.0  # LOG.GRAD_SPIKE; 0: no warning
+    straggler_ratio: float = 0.0  # LOG.STRAGGLER_RATIO; 0: no slow-rank warning
 
 
 class TrainStatus:
@@ -238,6 +240,38 @@ def watch_grad_norm(spec: LogSpec, state: TrainState, norm: float, step: int):
             median,
             spec.grad_spike,
         )
+
+
+def watch_slow_ranks(spec: LogSpec, state: TrainState) -> None:
+    """Rank 0 warns, once per rank and cause, when the timings the last stop
+    check carried show a rank slower than the median (LOG.STRAGGLER_RATIO)."""
+    rows = state.slow_ranks.rows
+    found = state.slow_ranks.update(spec.straggler_ratio)
+    if found is None or rows is None or not du.is_main_process():
+        return
+    logger.warning(
+        "slow rank: rank %d of %d takes %.1f ms per step, %.2f x the median "
+        "rank's %.1f ms (LOG.STRAGGLER_RATIO %g), not counting its waits for "
+        "the others: its %s is slow (%.1f ms per step, the median rank %.1f "
+        "ms); every rank waits for it in the gradient sync; %s",
+        found.rank,
+        len(rows),
+        1000 * found.step,
+        found.step / max(found.median_step, 1e-9),
+        1000 * found.median_step,
+        spec.straggler_ratio,
+        "wait for data" if found.cause == DATA else "compute",
+        1000 * found.part,
+        1000 * found.median_part,
+        SLOW_RANK_ADVICE[found.cause],
+    )
+
+
+# What to look at on a rank that holds the others back, by cause.
+SLOW_RANK_ADVICE = {
+    DATA: "feed it faster (its node's TRAIN.WORKERS, CPU load, disk or network)",
+    COMPUTE: "look at its device (clocks, temperature, other processes on it)",
+}
 
 
 def gather_peaks(peaks: dict[str, list[float]]) -> tuple[list, list, list]:

@@ -132,6 +132,7 @@ def log_spec(cfg: CfgNode) -> LogSpec:
         workers=cfg.TRAIN.WORKERS,
         decoder=cfg.DATA.DECODER,
         grad_spike=cfg.LOG.GRAD_SPIKE,
+        straggler_ratio=cfg.LOG.STRAGGLER_RATIO,
     )
 
 

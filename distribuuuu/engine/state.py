@@ -17,6 +17,7 @@ from torch import nn
 
 from distribuuuu.checkpoint import format as ckpt_format
 from distribuuuu.reporting.meters import DataBoundWatch, GradSpikeWatch
+from distribuuuu.reporting.stragglers import SlowRankWatch
 
 if TYPE_CHECKING:  # imported for the annotations only
     from distribuuuu.models.ema import ModelEma
@@ -167,6 +168,8 @@ class TrainState:
     teacher: nn.Module | None = None  # TRAIN.DISTILL's, in eval mode; never saved
     data_watch: DataBoundWatch = field(default_factory=DataBoundWatch)
     spike_watch: GradSpikeWatch = field(default_factory=GradSpikeWatch)
+    # This rank's timings of the last print window, to the next stop check.
+    slow_ranks: SlowRankWatch = field(default_factory=SlowRankWatch)
     flops: FlopMeter | None = None  # the TFLOP/s and MFU of its windows; None: off
     # Set by the loop for a step that prints: the strategy then measures the
     # gradients' global norm before clipping into grad_norm (None elsewhere;

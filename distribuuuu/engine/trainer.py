@@ -36,7 +36,11 @@ from distribuuuu.engine.best import keep_best
 from distribuuuu.engine.evaluation import evaluate, evaluate_epoch, weights_to_evaluate
 from distribuuuu.engine.loop import StopRequest, end_stopped_run, train_epoch
 from distribuuuu.engine.resume import resume_or_load, save_training_checkpoint
-from distribuuuu.engine.run_log import log_checkpoint_evaluation, log_training_images
+from distribuuuu.engine.run_log import (
+    log_checkpoint_evaluation,
+    log_training_images,
+    watch_slow_ranks,
+)
 from distribuuuu.engine.session import resolve_seed, run_context, seed_everything
 from distribuuuu.engine.startup import report_start
 from distribuuuu.engine.state import BatchPlan, RunClock, TrainState, plan_batches
@@ -376,7 +380,8 @@ def train_epochs(
         nonlocal stopped_by
         if check:
             check.after_step()
-        stopped_by = stop.agreed(state.clock.done_iters)
+        stopped_by = stop.agreed(state.clock.done_iters, state.slow_ranks)
+        watch_slow_ranks(loop.log, state)
         if stopped_by or (period and state.clock.done_iters % period == 0):
             save_training_checkpoint(save, state)
         return bool(stopped_by)
@@ -398,7 +403,8 @@ def train_epochs(
             with state.ema.swapped_in():
                 evaluate_and_keep_best(cfg, state, loaders, ema=True, **epoch)
         last = progress.epoch == cfg.OPTIM.MAX_EPOCH
-        stopped_by = stop.agreed()
+        stopped_by = stop.agreed(times=state.slow_ranks)
+        watch_slow_ranks(loop.log, state)
         if stopped_by or last or progress.epoch % cfg.CHECKPOINT.PERIOD == 0:
             save_training_checkpoint(save, state, stats[cfg.CHECKPOINT.BEST_METRIC])
         if stopped_by:

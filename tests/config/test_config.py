@@ -121,6 +121,8 @@ def test_original_full_recipe_dump_loads(tmp_path):
         (["TEST.IM_SIZE", "20"], ["TEST.IM_SIZE 20", "the evaluation crop 28"]),
         (["MODEL.NUM_CLASSES", "5"], ["mnist5k has 10 classes"]),
         (["OPTIM.MAX_EPOCH"], ["KEY VALUE pairs"]),
+        (["LOG.STRAGGLER_RATIO", "1"], ["LOG.STRAGGLER_RATIO", "> 1, or 0 = off"]),
+        (["LOG.STRAGGLER_RATIO", "-2"], ["LOG.STRAGGLER_RATIO", "> 1, or 0 = off"]),
     ],
 )
 def test_bad_values_raise_one_clear_line(opts, words):
