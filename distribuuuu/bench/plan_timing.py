@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from distribuuuu.dist.spawn import find_free_port
@@ -36,6 +35,7 @@ from distribuuuu.plan.cost import Workload, step_cost
 from distribuuuu.plan.flops import count_flops
 from distribuuuu.plan.search import PREFERENCE_WINDOW, SIMPLER_FIRST
 from distribuuuu.strategies.fsdp import shard_fully
+from distribuuuu.strategies.zero1 import shard_optimizer
 
 WAYS = ("none", "ddp", "zero1", "fsdp")
 # Two strategies whose predicted steps differ by more than ORDER_MARGIN must
@@ -68,9 +68,7 @@ def _trainers(model: nn.Module, world: int) -> dict:
     ddp = DistributedDataParallel(copy.deepcopy(model))
     zero = DistributedDataParallel(copy.deepcopy(model))
     sharded = shard_fully(copy.deepcopy(model), torch.device("cpu"), False, None)
-    zero_optimizer = ZeroRedundancyOptimizer(
-        zero.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3
-    )
+    zero_optimizer = shard_optimizer(adamw(zero.parameters()))
     return {
         "none": (plain, adamw(plain.parameters())),
         "ddp": (ddp, adamw(ddp.parameters())),

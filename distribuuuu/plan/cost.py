@@ -241,15 +241,15 @@ def _ddp_s(step: _Step) -> float:
 
 def _zero1_s(step: _Step) -> float:
     """ZeRO-1 (ZeroRedundancyOptimizer over DDP): DDP's all-reduces, then
-    each parameter broadcast by the rank that updated it, one collective per
-    parameter tensor (torch's _broadcast_params_from_rank without
-    parameters_as_bucket_view)."""
+    the parameters broadcast by the rank that updated them, one collective
+    per rank (its bucket: strategies/zero1.py takes
+    ``parameters_as_bucket_view``)."""
     n = step.dp
     if n <= 1:
         return 0.0
     link, share = group_link(step.cluster, n)
     nbytes = step.work.flops.parameters * step.work.param_bytes
-    broadcasts = step.work.flops.parameter_tensors * link.latency_s
+    broadcasts = n * link.latency_s
     broadcasts += (n - 1) / n * nbytes / (link.bytes_per_s * share)
     return _ddp_s(step) + broadcasts
 

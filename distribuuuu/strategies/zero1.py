@@ -2,7 +2,9 @@
 (ZeRO stage 1, PyTorch's ``ZeroRedundancyOptimizer``).
 
 Each rank keeps the optimizer state of its share of the parameters and
-updates that share; the updated parameters are broadcast to the others.
+updates that share; the updated parameters are broadcast to the others, one
+bucket per rank (``parameters_as_bucket_view``: the parameters become views
+of flat buffers, each in its own layout again, see :func:`restore_strides`).
 Checkpoints hold the whole optimizer state, consolidated on rank 0.
 """
 
@@ -32,13 +34,69 @@ def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if not du.is_distributed():
         logger.info("DIST.STRATEGY zero1 in one process: nothing to shard")
         return optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    layouts = [(param, param.stride()) for param in params]
+    bucketed = fit_one_bucket(params)
     sharded = ZeroRedundancyOptimizer(
         [dict(group) for group in optimizer.param_groups],
         optimizer_class=type(optimizer),
+        parameters_as_bucket_view=bucketed,
         **constructor_options(optimizer),
     )
-    logger.info("ZeRO-1: optimizer state sharded over %d ranks", du.get_world_size())
+    restored = restore_strides(layouts) if bucketed else 0
+    logger.info(
+        "ZeRO-1: optimizer state sharded over %d ranks; %s",
+        du.get_world_size(),
+        f"the parameters views of one bucket per rank ({restored} re-strided)"
+        if bucketed
+        else "the parameters broadcast one by one (several dtypes, or sparse)",
+    )
     return sharded
+
+
+def fit_one_bucket(params: list[torch.Tensor]) -> bool:
+    """Whether ``parameters_as_bucket_view`` may copy ``params`` into flat
+    buckets: dense tensors of one dtype (torch makes each device's bucket of
+    the dtype of its last parameter)."""
+    dense = all(param.layout == torch.strided for param in params)
+    return dense and len({param.dtype for param in params}) == 1
+
+
+def restore_strides(layouts: list[tuple[torch.Tensor, tuple[int, ...]]]) -> int:
+    """Each parameter laid out again in its own strides, in its slot of the
+    bucket that ``parameters_as_bucket_view`` made of it; how many moved.
+
+    torch copies a parameter into its bucket flattened (in logical order) and
+    views its slot with contiguous strides: a channels-last weight keeps its
+    values and loses its layout, so its convolutions mix layouts and DDP,
+    whose gradient buckets were laid out when it wrapped the model, warns
+    ("Grad strides do not match bucket view strides") and copies.  A dense
+    layout, as ``.to(memory_format=...)`` makes, fills exactly the slot's
+    numel places, so the values are written back into the same slot in the
+    old strides.  Every rank does the same, so each broadcast bucket's bytes
+    land where every rank reads them.  (torch builds the buckets again only
+    where the trainable parameters change, which training here never does.)
+    """
+    restored = 0
+    for param, stride in layouts:
+        if param.stride() == stride or not is_dense(param.shape, stride):
+            continue
+        values = param.detach().clone()
+        param.data = param.data.as_strided(param.shape, stride)
+        param.data.copy_(values)
+        restored += 1
+    return restored
+
+
+def is_dense(shape: torch.Size, stride: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` and ``stride`` fills its ``numel``
+    places of storage exactly once, in some order of its dimensions."""
+    expected = 1
+    for step, size in sorted((s, n) for n, s in zip(shape, stride) if n != 1):
+        if step != expected:
+            return False
+        expected *= size
+    return True
 
 
 def constructor_options(optimizer: torch.optim.Optimizer) -> dict:

@@ -4,6 +4,7 @@ less memory; activation checkpointing changes nothing but memory."""
 from __future__ import annotations
 
 import copy
+import io
 import os
 import traceback
 
@@ -38,29 +39,77 @@ def _batches(world: int, size: int):
         yield images, torch.randint(0, 10, (world * BATCH,), generator=generator)
 
 
-def _train(rank: int, world: int, arch: str, strategy: str, act_ckpt: bool) -> dict:
-    """K steps of SGD with momentum; the whole model and optimizer state."""
-    torch.manual_seed(0)
+def _prepared(arch: str, strategy: str, act_ckpt: bool, seed: int = 0) -> tuple:
+    """The strategy, its model of ``seed`` and SGD with momentum over it."""
+    torch.manual_seed(seed)
     model = build_model(arch, 10)
     if act_ckpt:
         enable_activation_checkpointing(model)
     spread = strategy_for(strategy)
+    if strategy == "zero1":  # as the chain runs it by default (CHANNELS_LAST)
+        model = model.to(memory_format=torch.channels_last)
     model = spread.prepare_model(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if strategy == "zero1":
+        strides = [param.stride() for param in model.parameters()]
         optimizer = shard_optimizer(optimizer)
-    for images, targets in _batches(world, IM_SIZE[arch]):
+        _assert_bucket_views_in_their_layouts(model, strides)
+    return spread, model, optimizer
+
+
+def _run_steps(rank: int, model: nn.Module, optimizer, batches) -> None:
+    for images, targets in batches:
         part = slice(rank * BATCH, (rank + 1) * BATCH)
         F.cross_entropy(model(images[part]), targets[part]).backward()
         optimizer.step()
         optimizer.zero_grad()
-    if strategy == "zero1":
-        assert 0 < len(optimizer.optim.state) < len(list(model.parameters()))
-    # Collectives for ZeRO and FSDP: rank 0 gets everything.
+
+
+def _states(spread, model: nn.Module, optimizer) -> dict:
+    """The whole model and optimizer state (collectives for ZeRO and FSDP:
+    rank 0 gets everything)."""
     return {
         "model": spread.model_state_dict(model),
         "optimizer": spread.optimizer_state_dict(model, optimizer),
     }
+
+
+def _train(rank: int, world: int, arch: str, strategy: str, act_ckpt: bool) -> dict:
+    """K steps of SGD with momentum; the whole model and optimizer state."""
+    spread, model, optimizer = _prepared(arch, strategy, act_ckpt)
+    _run_steps(rank, model, optimizer, _batches(world, IM_SIZE[arch]))
+    if strategy == "zero1":
+        assert 0 < len(optimizer.optim.state) < len(list(model.parameters()))
+    return _states(spread, model, optimizer)
+
+
+def _zero1_resumed(rank: int, world: int) -> dict:
+    """resnet8 under ZeRO-1: the first 2 of :func:`_train`'s steps, their
+    state saved (torch.save) and loaded into a model and optimizer built from
+    another seed, then the last 2 steps."""
+    batches = list(_batches(world, IM_SIZE["resnet8"]))
+    spread, model, optimizer = _prepared("resnet8", "zero1", False)
+    _run_steps(rank, model, optimizer, batches[:2])
+    saved = io.BytesIO()
+    torch.save(_states(spread, model, optimizer), saved)
+    shared = [saved.getvalue()]
+    torch.distributed.broadcast_object_list(shared)  # rank 0's: the whole state
+    state = torch.load(io.BytesIO(shared[0]), weights_only=True)
+    spread, model, optimizer = _prepared("resnet8", "zero1", False, seed=1)
+    spread.load_model_state(model, state["model"])
+    # torch's ZeroRedundancyOptimizer.load_state_dict empties other ranks' state
+    spread.load_optimizer_state(model, optimizer, copy.deepcopy(state["optimizer"]))
+    _run_steps(rank, model, optimizer, batches[2:])
+    return {"saved": state, "resumed": _states(spread, model, optimizer)}
+
+
+def _assert_bucket_views_in_their_layouts(model: nn.Module, strides: list) -> None:
+    """ZeRO-1's parameters are views of one buffer per rank (2 storages in
+    all), each in the strides it had: the convolutions' channels-last."""
+    params = list(model.parameters())
+    assert len({param.untyped_storage().data_ptr() for param in params}) == 2
+    assert [param.stride() for param in params] == strides
+    assert any(p.dim() == 4 and not p.is_contiguous() for p in params)
 
 
 def _momentum_by_name(arch: str, state: dict) -> dict:
@@ -75,6 +124,7 @@ def _momentum_by_name(arch: str, state: dict) -> dict:
 # (model, strategy, activation checkpointing), each compared with plain DDP.
 CASES = [
     ("lenet5", "zero1", False),
+    ("resnet8", "zero1", False),
     ("lenet5", "fsdp", False),
     ("resnet8", "fsdp", True),
 ]
@@ -135,6 +185,7 @@ def _on_two_ranks(rank: int, world: int) -> dict:
         "shard": _shard_models_of_different_seeds,
         "adamw": _zero1_adamw_step,
         "consolidate": _zero1_consolidations,
+        "resume": _zero1_resumed,
     }
     results = {}
     for name, part in parts.items():
@@ -437,6 +488,32 @@ def test_zero1_shards_adamw_and_steps_as_adamw_does(two_ranks):
     (decoupled_weight_decay): ZeRO-1 rebuilds it all the same."""
     for result in _part(two_ranks, "adamw"):
         torch.testing.assert_close(result["sharded"], result["plain"])
+
+
+@pytest.mark.slow
+def test_zero1_resumes_bitwise_from_its_checkpoint_state(
+    two_ranks, trained_on_two_ranks
+):
+    """resnet8, channels-last, under ZeRO-1 with parameters as bucket views:
+    2 steps, the checkpoint's state loaded into a new model and optimizer, 2
+    more steps end bitwise where 4 uninterrupted steps do.  The checkpoint
+    keeps the layout it had without bucket views: each weight and momentum
+    in its parameter's strides (channels-last convolutions)."""
+    state = _part(two_ranks, "resume")[0]
+    uninterrupted = trained_on_two_ranks["resnet8/zero1/False"]
+    for part in ("model", "optimizer"):
+        expected, resumed = uninterrupted[part], state["resumed"][part]
+        if part == "optimizer":
+            expected, resumed = expected["state"], resumed["state"]
+        assert resumed.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(resumed[key], value, rtol=0, atol=0)
+    saved = state["saved"]
+    laid_out = build_model("resnet8", 10).to(memory_format=torch.channels_last)
+    momentum = _momentum_by_name("resnet8", saved["optimizer"])
+    for name, param in laid_out.named_parameters():
+        assert saved["model"][name].stride() == param.stride(), name
+        assert momentum[name].stride() == param.stride(), name
 
 
 @pytest.mark.slow
