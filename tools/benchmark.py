@@ -28,6 +28,8 @@ Measurements, printed as a table and written as JSON (``--out``):
 * ``--only`` rows outside the default set: ``scan`` (the listing of a 200 k-file
   split on 4 gloo ranks, bench.folder_scan), ``hooks`` (bytes all-reduced and
   seconds per DDP step with each DIST.DDP.COMM_HOOK, bench.comm_hooks),
+  ``loops`` (ddp, pipeline and DeepSpeed beside plain loops on 2 gloo ranks,
+  bench.strategy_loops),
   ``pipeline`` (the bubble, bench.pipeline_bubble), ``plan`` (the planner
   against measurement, docs/planner.md: bench.plan_accuracy, plan_timing, and
   plan_links across two namespaced nodes, root only).
@@ -76,6 +78,7 @@ from distribuuuu.bench.pipeline_bubble import format_bubble, measure_bubble
 from distribuuuu.bench.plan_accuracy import format_accuracy, plan_accuracy
 from distribuuuu.bench.plan_links import format_plan_links, plan_links
 from distribuuuu.bench.plan_timing import format_plan_timing, measure_plan_timing
+from distribuuuu.bench.strategy_loops import format_loops, measure_loops
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_normalizer
 from distribuuuu.data.spec import DataSpec, LoaderSpec
@@ -127,16 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--data-batch", type=int, default=32, help="batch of the data pipeline")
     add("--data-max-side", type=int, default=256,
         help="prepared-data row: shards with this --max-side (0: none)")  # fmt: skip
-    add(
-        "--decoders",
-        default="tensor,pil",
-        help="other DATA.DECODER values measured beside the default ('': none)",
-    )
-    add(
-        "--only",
-        default="train,data,eval,startup,stop",
-        help="...,hooks,pipeline,plan,scan",
-    )
+    add("--decoders", default="tensor,pil", help="other DATA.DECODERs ('': none)")
+    add("--only", default="train,data,eval,startup,stop", help="+hooks,loops,...")
     add("--scan-files", type=int, default=200_000, help="files of the scan row")
     add("--short", action="store_true", help="tiny sizes, 2 repeats (smoke test)")
     add("--out", default="benchmark.json", help="JSON file to write")
@@ -435,6 +430,7 @@ def format_table(results: dict) -> str:
         "plan_links": format_plan_links,
         "folder_scan": format_folder_scan,
         "comm_hooks": format_comm_hooks,
+        "loops": format_loops,
     }
     lines += [row(results[name]) for name, row in rows.items() if name in results]
     return "\n".join(lines)
@@ -467,7 +463,10 @@ def main(argv: list[str] | None = None) -> dict:
     if "scan" in what:
         results["folder_scan"] = measure_folder_scan(args.scan_files, 4, args.repeats)
     if "hooks" in what:
-        results["comm_hooks"] = measure_comm_hooks(cfg, args.repeats)
+        shape = (cfg.MODEL.ARCH, cfg.TRAIN.IM_SIZE, cfg.TRAIN.BATCH_SIZE)
+        results["comm_hooks"] = measure_comm_hooks(*shape, args.repeats)
+    if "loops" in what:
+        results["loops"] = measure_loops(recipe_opts(args), args.steps, args.repeats)
     if "pipeline" in what:
         results["pipeline"] = measure_bubble(repeats=args.repeats)
     if "plan" in what:

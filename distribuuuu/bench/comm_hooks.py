@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
-from yacs.config import CfgNode
 
 from distribuuuu.bench.overheads import on_local_ranks, summarize
 from distribuuuu.models import build_model
@@ -82,12 +81,11 @@ def _on_rank(rank, ranks, port, arch, im_size, batch, steps, repeats, out) -> No
     dist.destroy_process_group()
 
 
-def measure_comm_hooks(cfg: CfgNode, repeats: int) -> dict:
+def measure_comm_hooks(arch: str, im_size: int, batch: int, repeats: int) -> dict:
     """Bytes all-reduced and seconds per step of each hook on 2 ranks, for
-    the model, image size and batch per rank of ``cfg``."""
+    model ``arch`` at ``im_size`` px, ``batch`` images a rank."""
     with tempfile.TemporaryDirectory() as work:
-        train = cfg.TRAIN
-        args = (cfg.MODEL.ARCH, train.IM_SIZE, train.BATCH_SIZE, 5, repeats)
+        args = (arch, im_size, batch, 5, repeats)
         found = on_local_ranks(_on_rank, 2, args, work)
     hooks = {
         hook: {
