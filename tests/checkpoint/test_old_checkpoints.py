@@ -3,7 +3,10 @@ under today's code and continue exactly as the old code continued them.
 
 tests/fixtures/checkpoints_5f701c2 holds epoch 1 of a LeNet-5 run with an EMA,
 once whole (one process) and once sharded (FSDP, 2 processes), and the val and
-val_ema records that the old code wrote for epoch 2 (expected.json).
+val_ema records of epoch 2 (expected.json).  The old code wrote them; when the
+synthetic images changed (issue 36), today's code first reproduced those
+values with the old images, then the records were taken again with the new
+ones (the old ones are kept beside them).
 """
 
 from __future__ import annotations
