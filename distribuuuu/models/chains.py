@@ -363,3 +363,24 @@ class StagePart(nn.Module):
         # A channels-last stage hands on contiguous activations: what the
         # pipeline sends between processes (a no-op for contiguous ones).
         return x.contiguous()
+
+
+class ShapesUncounted(nn.Module):
+    """A stage's piece as its PipelineStage runs it.  torch 2.11's stage infers
+    its shapes by running the piece on zeros under ``no_grad`` in training
+    mode, which BatchNorm counted in its running statistics: once per
+    schedule, so once more in a resumed run than in an uninterrupted one.
+    Such a pass runs in eval mode here; a training pass has gradients on."""
+
+    def __init__(self, piece: StagePart):
+        super().__init__()
+        self.piece = piece
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or not self.piece.training:
+            return self.piece(x)
+        self.piece.eval()
+        try:
+            return self.piece(x)
+        finally:
+            self.piece.train()

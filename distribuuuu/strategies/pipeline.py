@@ -53,6 +53,7 @@ from distribuuuu.checkpoint.format import (
 )
 from distribuuuu.dist import group as du
 from distribuuuu.models.chains import (
+    ShapesUncounted,
     StagePart,
     Step,
     balanced_bounds,
@@ -328,7 +329,13 @@ class PipelineStrategy(Strategy):
 
     def _schedule(self, pieces: list[StagePart]):
         stages = [
-            PipelineStage(piece, index, self.pieces, self.device, group=self.pp_group)
+            PipelineStage(
+                ShapesUncounted(piece),
+                index,
+                self.pieces,
+                self.device,
+                group=self.pp_group,
+            )
             for piece, index in zip(pieces, self.indices)
         ]
         kind = SCHEDULES[self.pipe.schedule]
