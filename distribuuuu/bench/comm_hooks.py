@@ -61,18 +61,21 @@ def _on_rank(rank, ranks, port, arch, im_size, batch, steps, repeats, out) -> No
     images = torch.randn(batch, 3, im_size, im_size)
     labels = torch.randint(0, 10, (batch,))
     models = {hook: _hooked_model(arch, hook) for hook in HOOKS}
+
+    def train(model: DistributedDataParallel, steps: int) -> None:
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(images), labels).backward()
+
+    for model in models.values():
+        train(model, WARMUP)
     seconds: dict[str, list[float]] = {hook: [] for hook in HOOKS}
     sent: dict[str, int] = {}
     for repeat in range(repeats):
-        order = HOOKS[repeat % len(HOOKS) :] + HOOKS[: repeat % len(HOOKS)]
-        for hook in order:
-            model = models[hook]
-            for step in range(WARMUP + steps if repeat == 0 else steps):
-                if step == WARMUP or (repeat and step == 0):
-                    dist.barrier()
-                    counted.bytes, start = 0, time.perf_counter()
-                model.zero_grad(set_to_none=True)
-                F.cross_entropy(model(images), labels).backward()
+        for hook in HOOKS[repeat % len(HOOKS) :] + HOOKS[: repeat % len(HOOKS)]:
+            dist.barrier()
+            counted.bytes, start = 0, time.perf_counter()
+            train(models[hook], steps)
             seconds[hook].append((time.perf_counter() - start) / steps)
             sent[hook] = counted.bytes // steps
     dist.all_reduce = counted.all_reduce
