@@ -45,6 +45,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from distribuuuu.dist import collectives
 from distribuuuu.dist import group as du
 
 aten = torch.ops.aten
@@ -128,7 +129,7 @@ def fake_rank(rank: int, world: int) -> Iterator[None]:
     fake group for the host-side checks as a CUDA run has (gloo there)."""
     dist.init_process_group("fake", rank=rank, world_size=world, store=fake_store())
     try:
-        with mock.patch.object(du, "_CONTROL_GROUP", dist.new_group(backend="fake")):
+        with mock.patch.object(collectives, "_CONTROL", dist.new_group(backend="fake")):
             yield
     finally:
         dist.destroy_process_group()
@@ -210,7 +211,7 @@ class CollectiveAudit(TorchDispatchMode):
             return self.names[group.group_name]
         if group.group_name == dist.group.WORLD.group_name:
             return WORLD
-        control = du._CONTROL_GROUP
+        control = du.control_group()
         if control is not None and group.group_name == control.group_name:
             return CONTROL
         return "ranks " + ",".join(map(str, dist.get_process_group_ranks(group)))

@@ -297,7 +297,7 @@ def test_the_audit_flags_host_tensors_on_the_main_group_only():
         audit.phase = "check"
         dist.broadcast(torch.zeros(2), 0)
         dist.broadcast(torch.zeros(2, device=META), 0)
-        dist.all_reduce(torch.zeros(2), group=du._CONTROL_GROUP)
+        dist.all_reduce(torch.zeros(2), group=du.control_group())
     flagged = [(h.group, h.devices) for h in audit.off_device(META)]
     assert flagged == [(WORLD, ("cpu",))]
     assert {h.group for h in audit.handed} == {WORLD, CONTROL}

@@ -32,6 +32,7 @@ from torch import nn
 from distribuuuu import checkpoint as cp
 from distribuuuu.checkpoint import format as run_state
 from distribuuuu.config import get_cfg
+from distribuuuu.dist import collectives
 from distribuuuu.dist import group as du
 from distribuuuu.engine import session
 from distribuuuu.errors import DistributedSetupError, LaunchError
@@ -392,13 +393,13 @@ def _side_group(rank: int, world: int, interface: str) -> dict:
     if interface:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
     try:
-        du._join_control_group(rank, 10)
+        collectives.join_control_group(rank, 10)
     except DistributedSetupError as error:
         return {"error": str(error)}
     finally:
         dist.get_backend_config = real
         os.environ.pop("GLOO_SOCKET_IFNAME", None)
-    formed = du._CONTROL_GROUP is not None
+    formed = du.control_group() is not None
     return {"formed": formed, "max": du.all_reduce_max_int(rank + 10)}
 
 

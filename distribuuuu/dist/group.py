@@ -28,17 +28,34 @@ import gc
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from distribuuuu.dist.collectives import (
+    GLOO_INTERFACE_ADVICE,
+    all_gather_object,
+    all_reduce_max_int,
+    all_reduce_max_int_with_rows,
+    all_reduce_mean,
+    all_reduce_sum,
+    barrier,
+    broadcast_bytes,
+    broadcast_object,
+    control_group,
+    forget_control_group,
+    gather_object_on_main,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    is_main_process,
+    join_control_group,
+)
 from distribuuuu.dist.launcher_env import mpi_place, started_by_mpirun
 from distribuuuu.dist.peers import (
-    backend_reason,
     forget_group,
     remember_group,
     restart_round_store,
@@ -287,7 +304,7 @@ def setup_distributed(
         except (RuntimeError, ValueError) as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
             nodes = info.local_world_size < info.world_size
-            advice = f"; {_GLOO_INTERFACE}" * ("gloo" in backend and nodes)
+            advice = f"; {GLOO_INTERFACE_ADVICE}" * ("gloo" in backend and nodes)
             raise DistributedSetupError(
                 f"rank {info.rank} of {info.world_size} could not join the process "
                 f"group at {info.master_addr}:{info.master_port} ({backend}, "
@@ -296,28 +313,18 @@ def setup_distributed(
             ) from error
         remember_group(info.rank, info.world_size, timeout_s)
         try:
-            _join_control_group(info.rank, timeout_s)
+            join_control_group(info.rank, timeout_s)
         except DistributedSetupError:
             dist.destroy_process_group()  # run_context's cleanup has not begun
             raise
     return info, device
 
 
-# Where gloo fails to connect nodes, the usual cause and cure.
-_GLOO_INTERFACE = (
-    "gloo connects through the network interface of this node's host name, "
-    "which must reach the other nodes (not resolve to 127.0.x.x): name the "
-    "interface with GLOO_SOCKET_IFNAME (e.g. GLOO_SOCKET_IFNAME=eth0, as "
-    "NCCL_SOCKET_IFNAME does for NCCL)"
-)
-
-
 def cleanup_distributed() -> None:
     """Leave the process group (a no-op without one)."""
-    global _CONTROL_GROUP
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _CONTROL_GROUP = None
+    forget_control_group()
 
 
 def release_groups() -> None:
@@ -343,157 +350,29 @@ def release_groups() -> None:
                 registry.clear()
 
 
-def is_distributed() -> bool:
-    """True inside a process group of more than one process."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def get_rank() -> int:
-    """Global rank of this process (0 without a process group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def get_world_size() -> int:
-    """Number of processes in the job (1 without a process group)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
-
-
-def is_main_process() -> bool:
-    """True on rank 0, the process that logs and writes shared files."""
-    return get_rank() == 0
-
-
-def barrier() -> None:
-    """Wait for every process (a no-op in one process)."""
-    if is_distributed():
-        dist.barrier()
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over all processes in place and return it."""
-    if is_distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
-    """Average ``tensor`` over all processes in place and return it."""
-    if is_distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor /= dist.get_world_size()
-    return tensor
-
-
-def all_reduce_max_int(value: int) -> int:
-    """The largest ``value`` over all processes (through a CPU group, so that
-    a GPU run does not wait on its CUDA stream for it)."""
-    if not is_distributed():
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
-    return int(tensor.item())
-
-
-def all_reduce_max_int_with_rows(
-    value: int, row: Sequence[float]
-) -> tuple[int, list[list[float]]]:
-    """The largest ``value`` over all processes and every process's ``row``
-    (numbers >= 0, as many on every rank) in rank order: one all-reduce, as
-    :func:`all_reduce_max_int`'s, of a tensor where each rank fills its row."""
-    rank, world, width = get_rank(), get_world_size(), len(row)
-    tensor = torch.zeros(1 + world * width, dtype=torch.float64)
-    tensor[0], start = value, 1 + rank * width
-    tensor[start : start + width] = torch.tensor(row, dtype=torch.float64)
-    if is_distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
-    values = tensor.tolist()
-    rows = [values[1 + r * width : 1 + (r + 1) * width] for r in range(world)]
-    return int(values[0]), rows
-
-
-# The gloo group of the host-side checks when the default group cannot reduce
-# CPU tensors (NCCL); None when it can, or without a process group.
-_CONTROL_GROUP: dist.ProcessGroup | None = None
-
-
-def _join_control_group(rank: int, timeout_s: float) -> None:
-    """Form the gloo group of the host-side checks (stop requests, the save
-    barrier, finite checks) now, with every rank, if the default group has
-    no CPU backend; raise DistributedSetupError if it cannot form in time.
-
-    Formed at start-up rather than at the first check, so that a node whose
-    gloo cannot reach the others fails here, in one clear line, instead of
-    hanging in the middle of the first epoch.
-    """
-    global _CONTROL_GROUP
-    _CONTROL_GROUP = None
-    if "cpu:" in dist.get_backend_config():
-        return  # the default group reduces CPU tensors itself
-    try:
-        # Every rank is a member: never new_group's NON_GROUP_MEMBER.
-        _CONTROL_GROUP = cast(
-            dist.ProcessGroup,
-            dist.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
-            ),
-        )
-    except (RuntimeError, ValueError) as error:
-        raise DistributedSetupError(
-            f"rank {rank}: the gloo group of the run's host-side checks could not "
-            f"form within DIST.INIT_TIMEOUT={timeout_s:g}s "
-            f"({backend_reason(str(error))}); {_GLOO_INTERFACE}"
-        ) from error
-
-
-def all_gather_object(obj: Any) -> list[Any]:
-    """Gather one picklable object from every process, in rank order."""
-    if not is_distributed():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def gather_object_on_main(obj: Any) -> list[Any] | None:
-    """Gather one picklable object from every process on rank 0, in rank
-    order; None on the other ranks.  It travels through host memory (over
-    the gloo group of the host-side checks where the default group is NCCL),
-    so a large object, a model's weights, never passes through a GPU."""
-    if not is_distributed():
-        return [obj]
-    out = [None] * dist.get_world_size() if get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0, group=_CONTROL_GROUP)
-    return out
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Return rank ``src``'s ``obj`` on every process."""
-    if not is_distributed():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
-    """Rank ``src``'s ``data`` (None on the other ranks) on every process, as
-    raw bytes (nothing pickled) through host memory: over the gloo group of
-    the host-side checks where the default group is NCCL."""
-    if not is_distributed():
-        return data or b""
-    sending = get_rank() == src
-    if sending and data is None:
-        raise ValueError(f"rank {src} broadcasts, but has no bytes")
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(size, src, group=_CONTROL_GROUP)
-    count = int(size.item())
-    if count == 0:
-        return b""
-    if data is not None and sending:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    else:
-        buffer = torch.empty(count, dtype=torch.uint8)
-    dist.broadcast(buffer, src, group=_CONTROL_GROUP)
-    return buffer.numpy().tobytes() if not sending else bytes(data or b"")
+__all__ = [
+    "LaunchInfo",
+    "all_gather_object",
+    "all_reduce_max_int",
+    "all_reduce_max_int_with_rows",
+    "all_reduce_mean",
+    "all_reduce_sum",
+    "backend_for",
+    "barrier",
+    "broadcast_bytes",
+    "broadcast_object",
+    "cleanup_distributed",
+    "control_group",
+    "cpu_threads",
+    "detect_launch",
+    "gather_object_on_main",
+    "get_rank",
+    "get_world_size",
+    "gpu_index",
+    "is_distributed",
+    "is_main_process",
+    "release_groups",
+    "select_device",
+    "setup_distributed",
+    "tasks_on_node",
+]

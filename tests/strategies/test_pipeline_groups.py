@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from distribuuuu.config import get_cfg
-from distribuuuu.dist import group as du
+from distribuuuu.dist import collectives
 from distribuuuu.engine.specs import strategy_spec
 from distribuuuu.models import build_model
 from distribuuuu.strategies import build_strategy
@@ -71,7 +71,7 @@ def test_the_best_weights_gather_every_stage_on_rank_0_only(monkeypatch):
     alone (gathered on every rank, they put the whole model on every GPU) and
     make there the whole model's weights, complete and in its order."""
     side_group = object()  # stands for the gloo group of the host-side checks
-    monkeypatch.setattr(du, "_CONTROL_GROUP", side_group)
+    monkeypatch.setattr(collectives, "_CONTROL", side_group)
     sent, receives = {}, {}
 
     def gather_object(obj, object_gather_list=None, dst=None, group=None, **_):
