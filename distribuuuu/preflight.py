@@ -140,26 +140,11 @@ def check_layout(cfg: CfgNode, world_size: int) -> None:
 def check_strategy(cfg: CfgNode) -> None:
     """Refuse what the chosen strategy (and tensor parallelism) does not
     take, as its class declares it; raise ConfigError."""
-    from distribuuuu.config.keys import get_key
-    from distribuuuu.engine.specs import strategy_spec
-    from distribuuuu.strategies import spec as features
+    from distribuuuu.engine.specs import strategy_spec, turned_on
     from distribuuuu.strategies.chain import check_choices as check_steps
 
-    switches = {  # feature -> the key that turns it on, and when it is on
-        features.SYNCBN: ("MODEL.SYNCBN", bool),
-        features.PRECISE_BN: ("TRAIN.PRECISE_BN", bool),
-        features.LAYER_DECAY: ("OPTIM.LAYER_DECAY", lambda value: value != 1),
-        features.EMA: ("MODEL.EMA", bool),
-        features.FP16: ("TRAIN.MIXED_PRECISION", lambda value: value == "fp16"),
-        features.DISTILLATION: ("TRAIN.DISTILL.ARCH", bool),
-    }
-    turned_on = {
-        feature: (key, get_key(cfg, key))
-        for feature, (key, is_on) in switches.items()
-        if is_on(get_key(cfg, key))
-    }
     try:
-        check_steps(strategy_spec(cfg), turned_on)
+        check_steps(strategy_spec(cfg), turned_on(cfg))
     except ValueError as error:
         raise ConfigError(str(error)) from error
 

@@ -266,9 +266,10 @@ def _run_turn(audit, layout, rank: int, phases, tmp_path, monkeypatch, shapes):
         if "save" in phases:
             audit.phase = "save"
             # DCP cannot write meta tensors: the save stops where it would.
-            written = mock.patch.object(cp, "save_sharded", return_value=("x", {}))
+            writer = cp.CheckpointWriter(str(tmp_path))
+            written = mock.patch.object(writer, "sharded", return_value=("x", {}))
             with written:
-                strategy.save_weights(model, optimizer, None, str(tmp_path), "ckpt")
+                strategy.save_weights(model, optimizer, None, writer, "ckpt")
             strategy.model_state_dict(model)  # best.pth
 
 

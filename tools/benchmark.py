@@ -29,7 +29,8 @@ Measurements, printed as a table and written as JSON (``--out``):
   split on 4 gloo ranks, bench.folder_scan), ``hooks`` (bytes all-reduced and
   seconds per DDP step with each DIST.DDP.COMM_HOOK, bench.comm_hooks),
   ``loops`` (ddp, pipeline and DeepSpeed beside plain loops on 2 gloo ranks,
-  bench.strategy_loops),
+  bench.strategy_loops), ``async`` (training blocked by a 503 MB save, at
+  once and in the background, bench.async_save),
   ``pipeline`` (the bubble, bench.pipeline_bubble), ``plan`` (the planner
   against measurement, docs/planner.md: bench.plan_accuracy, plan_timing, and
   plan_links across two namespaced nodes, root only).
@@ -54,31 +55,31 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 import torchvision
 
+from distribuuuu.bench.async_save import measure_async_save
 from distribuuuu.bench.baselines import (
     InMemoryLoader,
     make_batches,
     minimal_eval,
     minimal_train,
 )
-from distribuuuu.bench.comm_hooks import format_comm_hooks, measure_comm_hooks
+from distribuuuu.bench.comm_hooks import measure_comm_hooks
 from distribuuuu.bench.data_throughput import capped_shard_sides, data_pipeline_sides
-from distribuuuu.bench.folder_scan import format_folder_scan, measure_folder_scan
+from distribuuuu.bench.folder_scan import measure_folder_scan
 from distribuuuu.bench.overheads import (
-    format_stop_check,
     measure_startup,
     stop_check_cost,
     summarize,
 )
-from distribuuuu.bench.pipeline_bubble import format_bubble, measure_bubble
-from distribuuuu.bench.plan_accuracy import format_accuracy, plan_accuracy
-from distribuuuu.bench.plan_links import format_plan_links, plan_links
-from distribuuuu.bench.plan_timing import format_plan_timing, measure_plan_timing
-from distribuuuu.bench.strategy_loops import format_loops, measure_loops
+from distribuuuu.bench.pipeline_bubble import measure_bubble
+from distribuuuu.bench.plan_accuracy import plan_accuracy
+from distribuuuu.bench.plan_links import plan_links
+from distribuuuu.bench.plan_timing import measure_plan_timing
+from distribuuuu.bench.strategy_loops import measure_loops
+from distribuuuu.bench.table import format_table
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_normalizer
 from distribuuuu.data.spec import DataSpec, LoaderSpec
@@ -383,57 +384,25 @@ def bench_startup(args: argparse.Namespace, work_dir: str) -> dict:
     return {**measure_startup(runs, env, repeats), "ranks": args.ranks}
 
 
-def _row(name: str, result: dict, unit: str = "img/s") -> str:
-    skip = ("ratio", "ratios", "cpu", "prepared")
-    sides = [key for key in result if key not in skip]
-    cells = [
-        f"{key} {result[key]['median']:.1f} ({result[key]['min']:.1f}-"
-        f"{result[key]['max']:.1f})"
-        for key in sides
-    ]
-    text = f"{name:<18} {unit:<6} " + "  ".join(cells)
-    ratios = result.get("ratios")
-    if ratios is None:  # two sides: the ratio of the first to the second
-        ratios = {"": result["ratio"]} if "ratio" in result else {}
-    for side, ratio in ratios.items():
-        spread = f"{ratio['min']:.3f}-{ratio['max']:.3f}"
-        text += f"  {f'ratio {side}'.rstrip()} {ratio['median']:.3f} ({spread})"
-    return text
-
-
-def format_table(results: dict) -> str:
-    """The results as text: medians with (slowest-fastest) repeats."""
-    lines = ["measurement        unit   median (min-max) per side, ratio ours/other"]
-    for name in ("train_step", "eval", "data_pipeline"):
-        if name in results:
-            lines.append(_row(name, results[name]))
-            if "cpu" in results[name]:
-                lines.append(_row(f"{name} cpu", results[name]["cpu"], "img/cs"))
-    prepared = results.get("data_pipeline", {}).get("prepared")
-    if prepared:  # not the same pixels: a row of its own
-        lines.append(_row("data prepared", prepared))
-        lines.append(_row("data prepared cpu", prepared["cpu"], "img/cs"))
-    if "startup" in results:
-        startup = results["startup"]
-        for name, run in startup["runs"].items():
-            row = "startup" if name == "dry run" else "startup workers"
-            sides = {name: run["seconds"], "imports": startup["imports"]}
-            lines.append(_row(row, sides, "s"))
-            lines.append(_row(f"{row} beyond", {"beyond": run["beyond_imports"]}, "s"))
-    if "stop_check" in results:
-        lines.append(format_stop_check(results["stop_check"]))
-    lines.append("img/cs: images per CPU-second of the process and its workers")
-    rows: dict[str, Callable[[Any], str]] = {
-        "pipeline": format_bubble,
-        "plan_memory": format_accuracy,
-        "plan_timing": format_plan_timing,
-        "plan_links": format_plan_links,
-        "folder_scan": format_folder_scan,
-        "comm_hooks": format_comm_hooks,
-        "loops": format_loops,
-    }
-    lines += [row(results[name]) for name, row in rows.items() if name in results]
-    return "\n".join(lines)
+def measure_more(args: argparse.Namespace, cfg, what: set[str]) -> dict:
+    """The rows outside the default set that ``what`` names."""
+    results: dict = {}
+    if "scan" in what:
+        results["folder_scan"] = measure_folder_scan(args.scan_files, 4, args.repeats)
+    if "hooks" in what:
+        shape = (cfg.MODEL.ARCH, cfg.TRAIN.IM_SIZE, cfg.TRAIN.BATCH_SIZE)
+        results["comm_hooks"] = measure_comm_hooks(*shape, args.repeats)
+    if "loops" in what:
+        results["loops"] = measure_loops(recipe_opts(args), args.steps, args.repeats)
+    if "pipeline" in what:
+        results["pipeline"] = measure_bubble(repeats=args.repeats)
+    if "async" in what:
+        results["async_save"] = measure_async_save(512, min(args.repeats, 5))
+    if "plan" in what:
+        results["plan_memory"] = plan_accuracy(worlds=(2,) if args.short else (2, 4))
+        results["plan_timing"] = measure_plan_timing(rounds=3 if args.short else 9)
+        results["plan_links"] = plan_links()
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -460,19 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
             results["stop_check"] = stop_check_cost(
                 cfg.DIST.STOP_CHECK_STEPS, step_s, args.short, args.repeats
             )
-    if "scan" in what:
-        results["folder_scan"] = measure_folder_scan(args.scan_files, 4, args.repeats)
-    if "hooks" in what:
-        shape = (cfg.MODEL.ARCH, cfg.TRAIN.IM_SIZE, cfg.TRAIN.BATCH_SIZE)
-        results["comm_hooks"] = measure_comm_hooks(*shape, args.repeats)
-    if "loops" in what:
-        results["loops"] = measure_loops(recipe_opts(args), args.steps, args.repeats)
-    if "pipeline" in what:
-        results["pipeline"] = measure_bubble(repeats=args.repeats)
-    if "plan" in what:
-        results["plan_memory"] = plan_accuracy(worlds=(2,) if args.short else (2, 4))
-        results["plan_timing"] = measure_plan_timing(rounds=3 if args.short else 9)
-        results["plan_links"] = plan_links()
+    results.update(measure_more(args, cfg, what))
     report = {
         "settings": {
             **{k: v for k, v in vars(args).items() if k != "out"},

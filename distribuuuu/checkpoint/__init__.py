@@ -69,6 +69,7 @@ from distribuuuu.checkpoint.reading import (
     load_model_weights,
     weights_in,
 )
+from distribuuuu.checkpoint.writer import CheckpointWriter
 from distribuuuu.errors import (
     DamagedCheckpointError,
     DiskFullError,
@@ -105,6 +106,7 @@ __all__ = [
     "BEST_WEIGHTS",
     "CHECKPOINT_DIR",
     "CHECKPOINT_FILE",
+    "CheckpointWriter",
     "DEEPSPEED_SUFFIX",
     "DEEPSPEED_TAG",
     "LAST_POINTER",

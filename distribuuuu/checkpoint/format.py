@@ -217,9 +217,10 @@ def is_sharded_checkpoint(state: Any) -> bool:
     return isinstance(state, dict) and SHARDS in state
 
 
-def sharded_entries(folder: str, manifest: dict) -> dict:
+def sharded_entries(folder: str, manifest: dict | None) -> dict:
     """The entries of a checkpoint whose model part is in DCP folder ``folder``
-    (a plain name beside it), with the ``manifest`` of its files."""
+    (a plain name beside it), with the ``manifest`` of its files (None while
+    they are written in the background)."""
     return {SHARDS: folder, SHARD_FILES: manifest}
 
 

@@ -18,7 +18,8 @@ import pickle
 import re
 import shutil
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -62,19 +63,20 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def shard_manifest(directory: str) -> dict[str, list]:
-    """``{file: [size, sha256]}`` of a DCP directory; a collective.
+def shard_manifest(directory: str, group: Any = None) -> dict[str, list]:
+    """``{file: [size, sha256]}`` of a DCP directory; a collective (over
+    ``group``, a group of every process, when given).
 
     Every rank hashes a share of the files, so the cost is spread.
     """
-    names = du.broadcast_object(sorted(os.listdir(directory)))
+    names = du.broadcast_object(sorted(os.listdir(directory)), group=group)
     rank, world = du.get_rank(), du.get_world_size()
     mine = {}
     for name in names[rank::world]:
         path = os.path.join(directory, name)
         mine[name] = [os.path.getsize(path), _sha256(path)]
     manifest: dict[str, list] = {}
-    for part in du.all_gather_object(mine):
+    for part in du.all_gather_object(mine, group):
         manifest.update(part)
     return manifest
 
@@ -93,29 +95,57 @@ def save_folder(
     raises DiskFullError naming the folder; the checkpoints saved before stay
     as they were.
     """
-    directory = os.path.join(out_dir, CHECKPOINT_DIR)
-    final = sharded_dir(os.path.join(directory, name), suffix)
-    tmp = final + ".tmp"
-    if du.is_main_process():
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    du.barrier()
+    folder = FolderSave.prepare(out_dir, name, suffix)
     try:
-        write(tmp)
+        write(folder.tmp)
     except Exception as error:
-        # The half-written folder would only hold the space a next save needs.
+        folder.fail(error)
+    return folder.complete(inner)
+
+
+@dataclass(frozen=True)
+class FolderSave:
+    """The folder of a checkpoint while every rank writes its part: written
+    under ``tmp``, renamed to ``final`` by rank 0 once complete."""
+
+    directory: str  # OUT_DIR/checkpoints
+    final: str
+    tmp: str
+
+    @classmethod
+    def prepare(cls, out_dir: str, name: str, suffix: str) -> FolderSave:
+        """Rank 0 makes the empty temporary folder; a collective (over the
+        default group) that returns once it is there."""
+        directory = os.path.join(out_dir, CHECKPOINT_DIR)
+        final = sharded_dir(os.path.join(directory, name), suffix)
+        folder = cls(directory, final, final + ".tmp")
         if du.is_main_process():
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise_if_disk_full(error, directory, final)
-        raise
-    du.barrier()
-    manifest = shard_manifest(os.path.join(tmp, inner))
-    if du.is_main_process():
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        fsync_dir(directory)
-    du.barrier()
-    return os.path.basename(final), manifest
+            shutil.rmtree(folder.tmp, ignore_errors=True)
+            os.makedirs(folder.tmp)
+        du.barrier()
+        return folder
+
+    def fail(self, error: BaseException) -> NoReturn:
+        """Raise ``error`` of this rank's write; rank 0 removes the half-written
+        folder, which would only hold the space a next save needs."""
+        if du.is_main_process():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        raise_if_disk_full(error, self.directory, self.final)
+        raise error
+
+    def complete(self, inner: str = "", group: Any = None) -> tuple[str, dict]:
+        """Once every rank has written its files: their manifest, and the
+        folder renamed into place by rank 0 (its name and the manifest).  A
+        collective over ``group`` (a group of every process; None: the
+        default one)."""
+        du.barrier(group)
+        manifest = shard_manifest(os.path.join(self.tmp, inner), group)
+        if du.is_main_process():
+            shutil.rmtree(self.final, ignore_errors=True)
+            os.replace(self.tmp, self.final)
+            fsync_dir(self.directory)
+        du.barrier(group)
+        return os.path.basename(self.final), manifest
 
 
 def save_sharded(out_dir: str, name: str, state: dict) -> tuple[str, dict]:
@@ -127,12 +157,12 @@ def save_sharded(out_dir: str, name: str, state: dict) -> tuple[str, dict]:
         try:
             dcp.save(state, checkpoint_id=folder)
         except CheckpointException as error:  # the same one on every rank
-            raise _save_failure(error, folder) from error
+            raise save_failure(error, folder) from error
 
     return save_folder(out_dir, name, SHARDED_SUFFIX, write)
 
 
-def _save_failure(error: CheckpointException, folder: str) -> Exception:
+def save_failure(error: CheckpointException, folder: str) -> Exception:
     """The error of the first rank whose part of DCP's save failed: DCP wraps
     it in a CheckpointException, a BaseException that ``except Exception``
     (and so the one ``error:`` line of the tools) would miss."""

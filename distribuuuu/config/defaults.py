@@ -508,6 +508,12 @@ _C.CHECKPOINT.KEEP = 3
 _C.CHECKPOINT.KEEP_BEST = 0
 # What "best" means for KEEP_BEST: top1 (highest) | loss (lowest validation loss)
 _C.CHECKPOINT.BEST_METRIC = "top1"
+# Write checkpoints in the background: training waits only while the state is
+# copied to host memory, and `last` moves once every rank's files are complete
+# (sharded strategies through DCP's async_save; not under DIST.STRATEGY
+# deepspeed). A save waits for the one before; the end of the run and a stop
+# wait for the last. The log says how long each save blocked training
+_C.CHECKPOINT.ASYNC = False
 
 # ---------------------------------------------------------------------------- #
 # Experiment trackers (rank 0 talks to them; OUT_DIR/metrics.jsonl is always

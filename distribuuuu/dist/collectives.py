@@ -154,12 +154,15 @@ def gather_object_on_main(obj: Any) -> list[Any] | None:
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Return rank ``src``'s ``obj`` on every process."""
+def broadcast_object(
+    obj: Any, src: int = 0, group: dist.ProcessGroup | None = None
+) -> Any:
+    """Return rank ``src``'s ``obj`` on every process (over ``group``, a group
+    of every process, when given)."""
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

@@ -9,6 +9,7 @@ the strategy saves and loads its model and optimizer state.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from torch import nn
@@ -54,16 +55,15 @@ class ResumeSpec:
 
 
 def save_training_checkpoint(
-    spec: SaveSpec, state: TrainState, score: float | None = None
+    spec: SaveSpec,
+    state: TrainState,
+    writer: cp.CheckpointWriter,
+    score: float | None = None,
 ) -> None:
-    """Gather every rank's RNG state; rank 0 writes the checkpoint of the run
-    (``score``: CHECKPOINT.BEST_METRIC of the evaluation just before it).
-
-    Every rank returns only once the checkpoint is complete (file renamed into
-    place, ``last`` moved): a rank that then exits, stopped by a signal, must
-    not get the job step ended (``srun --kill-on-bad-exit``) while rank 0 still
-    writes.  When rank 0's save fails, every rank raises.
-    """
+    """Gather every rank's RNG state; ``writer`` writes the checkpoint of the
+    run (``score``: CHECKPOINT.BEST_METRIC of the evaluation just before it),
+    at once or in the background (see :class:`cp.CheckpointWriter`)."""
+    started = time.perf_counter()
     progress, plan, strategy = state.progress, state.plan, state.strategy
     step = progress.consumed // plan.global_batch
     where = f"epoch {progress.epoch + 1}, iteration {step}"
@@ -74,30 +74,12 @@ def save_training_checkpoint(
     check_weights_finite([*module_tensors(plain), *ema], where)
     name = cp.checkpoint_name(progress.epoch, step)
     weights = strategy.save_weights(
-        state.model, state.optimizer, state.ema, spec.out_dir, name
+        state.model, state.optimizer, state.ema, writer, name
     )
     rng = du.all_gather_object(capture_rng_state(strategy.devices(state.model)))
     saved = state.state_dict(weights, rng, arch=spec.arch, config_dump=spec.config_dump)
-    error = None
-    if du.is_main_process():
-        try:
-            path = cp.save_checkpoint(
-                spec.out_dir,
-                progress.epoch,
-                saved,
-                retention=spec.retention,
-                step=step,
-                score=score,
-            )
-            logger.info("saved %s", path)
-        except Exception as caught:  # tell the others before raising it
-            error = caught
-    # The barrier after the save; rank 0 joins it with its failure, if any,
-    # so that no rank waits for a checkpoint that will not come.
-    if du.all_reduce_max_int(int(error is not None)):
-        if error is not None:
-            raise error
-        raise RuntimeError("rank 0 failed to save the checkpoint (see log.txt)")
+    place = (progress.epoch, step)
+    writer.save(place, saved, spec.retention, score, started)
 
 
 def load_weights(

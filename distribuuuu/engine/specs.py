@@ -20,6 +20,7 @@ from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.config import flat_cfg
+from distribuuuu.config.keys import get_key
 from distribuuuu.data import eval_sizes
 from distribuuuu.data.spec import DataSpec, LoaderSpec, TransformSpec
 from distribuuuu.data.transforms import CROP_MODES
@@ -35,6 +36,7 @@ from distribuuuu.models.spec import ModelSpec
 from distribuuuu.optim import build as optim
 from distribuuuu.optim.spec import OptimizerSpec, ScheduleSpec
 from distribuuuu.reporting.remote_trackers import MlflowSpec, TrackerSpec, WandbSpec
+from distribuuuu.strategies import spec as features
 from distribuuuu.strategies.chain import takes_fp16
 from distribuuuu.strategies.precision import resolve_auto_precision
 from distribuuuu.strategies.spec import (
@@ -415,3 +417,25 @@ def run_params(cfg: CfgNode, precision: str | None = None) -> dict:
     if precision is not None:
         params["TRAIN.MIXED_PRECISION"] = precision
     return params
+
+
+# The features a strategy may refuse, and the key that turns each on (for
+# pre-flight and the planner).
+SWITCHES = {
+    features.SYNCBN: ("MODEL.SYNCBN", bool),
+    features.PRECISE_BN: ("TRAIN.PRECISE_BN", bool),
+    features.LAYER_DECAY: ("OPTIM.LAYER_DECAY", lambda value: value != 1),
+    features.EMA: ("MODEL.EMA", bool),
+    features.FP16: ("TRAIN.MIXED_PRECISION", lambda value: value == "fp16"),
+    features.DISTILLATION: ("TRAIN.DISTILL.ARCH", bool),
+    features.ASYNC_CHECKPOINT: ("CHECKPOINT.ASYNC", bool),
+}
+
+
+def turned_on(cfg: CfgNode) -> dict:
+    """Feature -> (key, value) of the features the run turns on."""
+    return {
+        feature: (key, get_key(cfg, key))
+        for feature, (key, is_on) in SWITCHES.items()
+        if is_on(get_key(cfg, key))
+    }

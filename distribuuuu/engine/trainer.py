@@ -91,7 +91,8 @@ def train_model(cfg: CfgNode) -> dict:
             stop = StopRequest(cfg.DIST.STOP_CHECK_STEPS)
             try:
                 loaders = (train_loader, val_loader)
-                result = train_epochs(cfg, state, loaders, stop, check)
+                with cp.CheckpointWriter(cfg.OUT_DIR, cfg.CHECKPOINT.ASYNC) as saver:
+                    result = train_epochs(cfg, state, loaders, stop, saver, check)
                 if check:
                     check.finish()
                 status = KILLED if "stopped_by" in result else FINISHED
@@ -366,11 +367,12 @@ def train_epochs(
     state: TrainState,
     loaders: tuple[Loader, Loader],
     stop: StopRequest,
+    saver: cp.CheckpointWriter,
     check: auto.PlanCheck | None = None,
 ) -> dict:
     """The epoch loop of :func:`train_model`: train, evaluate, keep the best
-    weights, save.  ``loaders``: training and validation; ``check``: DIST.STRATEGY
-    auto's, told of every step."""
+    weights, save (with ``saver``).  ``loaders``: training and validation;
+    ``check``: DIST.STRATEGY auto's, told of every step."""
     progress, period = state.progress, cfg.CHECKPOINT.PERIOD_ITERS
     precision = state.strategy.spec.precision
     loop, save = specs.loop_spec(cfg), specs.save_spec(cfg, precision)
@@ -383,7 +385,7 @@ def train_epochs(
         stopped_by = stop.agreed(state.clock.done_iters, state.slow_ranks)
         watch_slow_ranks(loop.log, state)
         if stopped_by or (period and state.clock.done_iters % period == 0):
-            save_training_checkpoint(save, state)
+            save_training_checkpoint(save, state, saver)
         return bool(stopped_by)
 
     stats: dict = {}
@@ -391,6 +393,7 @@ def train_epochs(
     while progress.epoch < cfg.OPTIM.MAX_EPOCH:
         memory.reset()  # the training epoch's own peak, not the run's
         if train_epoch(state, loaders[0], loop, after_step):
+            saver.finish()
             return end_stopped_run(stopped_by, requeue=cfg.DIST.REQUEUE)
         # Samples trained in the epoch (over restarts, if any) and its peak.
         epoch: dict[str, Any] = {
@@ -406,8 +409,10 @@ def train_epochs(
         stopped_by = stop.agreed(times=state.slow_ranks)
         watch_slow_ranks(loop.log, state)
         if stopped_by or last or progress.epoch % cfg.CHECKPOINT.PERIOD == 0:
-            save_training_checkpoint(save, state, stats[cfg.CHECKPOINT.BEST_METRIC])
+            score = stats[cfg.CHECKPOINT.BEST_METRIC]
+            save_training_checkpoint(save, state, saver, score)
         if stopped_by:
+            saver.finish()
             return end_stopped_run(stopped_by, requeue=cfg.DIST.REQUEUE)
     if not stats:
         logger.info("nothing to do: %d epochs already done", progress.epoch)

@@ -13,9 +13,8 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.config.keys import get_key
 from distribuuuu.dist.group import cpu_threads
-from distribuuuu.engine.specs import loss_spec, model_spec, strategy_spec
+from distribuuuu.engine.specs import loss_spec, model_spec, strategy_spec, turned_on
 from distribuuuu.errors import ConfigError
 from distribuuuu.models import build_configured
 from distribuuuu.plan.calibrate import (
@@ -31,7 +30,6 @@ from distribuuuu.plan.flops import ModelFlops, count_flops
 from distribuuuu.plan.memory import MemoryModel
 from distribuuuu.plan.search import Machine, PlanResult, plan
 from distribuuuu.plan.tracing import TraceSpec
-from distribuuuu.strategies import spec as features
 from distribuuuu.strategies.comm_hooks import compressed_share
 
 GIB_IN_MIB = 1024
@@ -41,16 +39,6 @@ MEASURED_PARAMETERS = 100_000_000
 # Appended to a plan's overrides: a plan reads no data, so the data set's
 # folders need not exist where it is made.
 NO_DATA = ["MODEL.DUMMY_INPUT", "True"]
-# The features a strategy may refuse, and the key that turns each on (as
-# pre-flight reads them).
-SWITCHES = {
-    features.SYNCBN: ("MODEL.SYNCBN", bool),
-    features.PRECISE_BN: ("TRAIN.PRECISE_BN", bool),
-    features.LAYER_DECAY: ("OPTIM.LAYER_DECAY", lambda value: value != 1),
-    features.EMA: ("MODEL.EMA", bool),
-    features.FP16: ("TRAIN.MIXED_PRECISION", lambda value: value == "fp16"),
-    features.DISTILLATION: ("TRAIN.DISTILL.ARCH", bool),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +85,6 @@ def amp_dtype_on(cfg: CfgNode, on_cpu: bool) -> torch.dtype | None:
     if precision == "fp16" and not on_cpu:
         return torch.float16
     return torch.bfloat16
-
-
-def turned_on(cfg: CfgNode) -> dict:
-    """Feature -> (key, value) of the features the run turns on."""
-    return {
-        feature: (key, get_key(cfg, key))
-        for feature, (key, is_on) in SWITCHES.items()
-        if is_on(get_key(cfg, key))
-    }
 
 
 def _skeleton(cfg: CfgNode) -> nn.Module:

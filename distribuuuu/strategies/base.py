@@ -357,18 +357,19 @@ class Strategy:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         ema: ModelEma | None,
-        out_dir: str,
+        writer: cp.CheckpointWriter,
         name: str,
     ) -> dict:
         """The model, optimizer and EMA entries of training checkpoint ``name``.
 
-        Whole tensors; where the weights are spread, every rank writes its
-        shards instead (nothing is gathered) and the entries name them.
+        Whole tensors; where the weights are spread, every rank has ``writer``
+        write its shards instead (nothing is gathered) and the entries name
+        them.
         """
         if self.spread(model):
             from distribuuuu.strategies import spread
 
-            return spread.save_shards(model, optimizer, ema, out_dir, name)
+            return spread.save_shards(model, optimizer, ema, writer, name)
         entries = {
             MODEL: self.model_state_dict(model),
             OPTIMIZER: self.optimizer_state_dict(model, optimizer),

@@ -93,10 +93,10 @@ class DDPStrategy(Strategy):
             params = list(model.parameters())
             average_gradients(params, self.dp_group, self.dims.dp)
 
-    def save_weights(self, model, optimizer, ema, out_dir: str, name: str) -> dict:
+    def save_weights(self, model, optimizer, ema, writer, name: str) -> dict:
         """The entries of :class:`Strategy`'s, and with PowerSGD every rank's
         state of it (a collective)."""
-        entries = super().save_weights(model, optimizer, ema, out_dir, name)
+        entries = super().save_weights(model, optimizer, ema, writer, name)
         if self.powersgd is not None:
             states = du.gather_object_on_main(self.powersgd.state_dict())
             if states is not None:

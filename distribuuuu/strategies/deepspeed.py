@@ -59,14 +59,15 @@ from distribuuuu.strategies.deepspeed_config import (
 from distribuuuu.strategies.precision import autocast, resolve_auto_precision
 from distribuuuu.strategies.registry import register
 from distribuuuu.strategies.spec import (
-    EMA as EMA_FEATURE,
-)
-from distribuuuu.strategies.spec import (
+    ASYNC_CHECKPOINT,
     FP16,
     PRECISE_BN,
     SYNCBN,
     StrategySpec,
     check_value,
+)
+from distribuuuu.strategies.spec import (
+    EMA as EMA_FEATURE,
 )
 
 logger = logging.getLogger(__name__)
@@ -158,7 +159,11 @@ class DeepSpeedStrategy(Strategy):
     contiguous_only = "ZeRO flattens the parameters"
     refused = {
         FP16: "DIST.STRATEGY deepspeed (under autocast, DeepSpeed 0.19's ZeRO "
-        "skips steps on loss-scaled gradients, never lowering the scale); use bf16"
+        "skips steps on loss-scaled gradients, never lowering the scale); use bf16",
+        ASYNC_CHECKPOINT: "DIST.STRATEGY deepspeed: its engine writes its own "
+        "files, and its background engines (the decoupled and fast ones, built "
+        "on DeepNVMe's CUDA I/O) commit them in a process of their own, with no "
+        "point at which every rank's files are known complete",
     }
     # What stage 3's partitioned parameters do not support.
     refused_by_stage_3 = dict.fromkeys(
@@ -350,7 +355,7 @@ class DeepSpeedStrategy(Strategy):
             "DeepSpeed's engine: it starts afresh"
         )
 
-    def save_weights(self, model, optimizer, ema, out_dir: str, name: str) -> dict:
+    def save_weights(self, model, optimizer, ema, writer, name: str) -> dict:
         """DeepSpeed's checkpoint in a ``.ds`` folder (every rank writes its
         partition), and the whole fp32 weights (and EMA) for everything else."""
 
@@ -363,8 +368,8 @@ class DeepSpeedStrategy(Strategy):
                 with open(os.path.join(files, file), "rb") as f:
                     os.fsync(f.fileno())
 
-        folder, manifest = cp.save_folder(
-            out_dir, name, cp.DEEPSPEED_SUFFIX, write, cp.DEEPSPEED_TAG
+        folder, manifest = writer.folder(
+            name, cp.DEEPSPEED_SUFFIX, write, cp.DEEPSPEED_TAG
         )
         entries = {
             MODEL: self.model_state_dict(model),

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from distribuuuu import checkpoint as cp
 from distribuuuu.dist import group as du
 from distribuuuu.models import find_blocks
 from distribuuuu.strategies.base import Strategy
@@ -142,7 +143,7 @@ class FSDPStrategy(Strategy):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         ema: ModelEma | None,
-        out_dir: str,
+        writer: cp.CheckpointWriter,
         name: str,
     ) -> dict:
         """The sharded checkpoint, with rank 0's buffers on every rank first.
@@ -155,7 +156,7 @@ class FSDPStrategy(Strategy):
         normalizes with the batch's statistics.
         """
         broadcast_buffers(model)
-        return super().save_weights(model, optimizer, ema, out_dir, name)
+        return super().save_weights(model, optimizer, ema, writer, name)
 
     @contextlib.contextmanager
     def gradient_sync(self, model: nn.Module, sync: bool) -> Iterator[None]:

@@ -461,7 +461,7 @@ class PipelineStrategy(Strategy):
         own = own_groups_by_name(state, model, optimizer)
         set_optimizer_state_dict(model, optimizer, own)
 
-    def save_weights(self, model, optimizer, ema, out_dir: str, name: str) -> dict:
+    def save_weights(self, model, optimizer, ema, writer, name: str) -> dict:
         """Every stage writes its pieces (DCP): the model, the optimizer by
         parameter name, the EMA; the replicas of a stage write them once."""
         shards = {
@@ -470,7 +470,7 @@ class PipelineStrategy(Strategy):
         }
         if ema is not None:
             shards[EMA] = ema.tensors()
-        folder, manifest = cp.save_sharded(out_dir, name, shards)
+        folder, manifest = writer.sharded(name, shards)
         return sharded_entries(folder, manifest)
 
     def load_weights(self, model, optimizer, saved, ema) -> bool:

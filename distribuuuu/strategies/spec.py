@@ -25,6 +25,7 @@ LAYER_DECAY = "layer_decay"
 EMA = "ema"
 FP16 = "fp16"
 DISTILLATION = "distillation"
+ASYNC_CHECKPOINT = "async_checkpoint"
 
 
 def check_value(ok: bool, key: str, value: Any, allowed: str) -> None:

@@ -83,15 +83,15 @@ def save_shards(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     ema: ModelEma | None,
-    out_dir: str,
+    writer: cp.CheckpointWriter,
     name: str,
 ) -> dict:
-    """Every rank writes its shards (the EMA's too) into checkpoint ``name``'s
-    DCP folder; the checkpoint entries that name them."""
+    """Every rank has ``writer`` write its shards (the EMA's too) into
+    checkpoint ``name``'s DCP folder; the checkpoint entries that name them."""
     shards = sharded_state(model, optimizer)
     if ema is not None:
         shards["ema"] = ema.tensors()
-    folder, manifest = cp.save_sharded(out_dir, name, shards)
+    folder, manifest = writer.sharded(name, shards)
     return sharded_entries(folder, manifest)
 
 

@@ -12,6 +12,7 @@ import pytest
 from helpers import REPO, assert_ok, run_python
 
 from distribuuuu.bench.pipeline_bubble import format_bubble, measure_bubble
+from distribuuuu.bench.table import side_row
 
 # Loaded from this checkout's file: distribuuuu.tools maps to the installed one.
 _SPEC = importlib.util.spec_from_file_location(
@@ -115,7 +116,7 @@ def test_interleave_gives_every_side_its_ratio_to_the_last(monkeypatch):
     assert order == ["a", "b", "ref", "ref", "b", "a"]
     assert result["ratios"]["a"]["runs"] == [4.0, 4.0] == result["ratio"]["runs"]
     assert result["cpu"]["ratios"]["b"]["median"] == 2.0
-    assert "ratio a 4.000" in benchmark._row("data", result)
+    assert "ratio a 4.000" in side_row("data", result)
 
 
 @pytest.mark.distributed

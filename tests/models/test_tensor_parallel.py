@@ -258,7 +258,8 @@ def _whole_state_round_trip(rank: int, out_dir: str) -> dict:
     strategy.load_model_state(model, plain.state_dict())
     whole = strategy.model_state_dict(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    entries = strategy.save_weights(model, optimizer, None, out_dir, "ckpt")
+    writer = cp.CheckpointWriter(out_dir)
+    entries = strategy.save_weights(model, optimizer, None, writer, "ckpt")
     path = os.path.join(out_dir, "checkpoints", "ckpt.pth")
     if rank == 0:
         torch.save({"epoch": 0, **entries}, path)

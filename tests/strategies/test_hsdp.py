@@ -22,6 +22,7 @@ from helpers import (
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from distribuuuu import checkpoint as cp
 from distribuuuu.checkpoint.format import SavedRun
 from distribuuuu.models import build_model
 from distribuuuu.strategies.hsdp import HSDPStrategy
@@ -108,7 +109,8 @@ def _saved(run: tuple, out: str, name: str) -> SavedRun:
     """``run``'s model and optimizer saved as training checkpoint ``name``
     (its entries only; rank 0 writes the file that names the shards)."""
     strategy, model, optimizer = run
-    entries = strategy.save_weights(model, optimizer, None, out, name)
+    writer = cp.CheckpointWriter(out)
+    entries = strategy.save_weights(model, optimizer, None, writer, name)
     path = os.path.join(out, "checkpoints", f"{name}.pth")
     if dist.get_rank() == 0:
         torch.save(entries, path)
