@@ -4,10 +4,11 @@
 the launch (srun forgotten, CUDA asked for but absent, more processes than
 GPUs), the inputs the cfg names (data folders, MODEL.WEIGHTS, checkpoints
 already in OUT_DIR), the packages of LOG.TRACKERS, the batch against the
-training images, and OUT_DIR itself (not the root of the file system,
-created and proved writable, and, for training, locked by rank 0 for the
-run: :mod:`distribuuuu.engine.run_lock`).  An unusable input thus ends the run with
-exit code 2 and one line, before any file is written.
+training images, and OUT_DIR itself (:mod:`distribuuuu.engine.out_dir`: not
+the root of the file system, created and proved writable, and, for
+training, locked by rank 0 for the run: :mod:`distribuuuu.engine.run_lock`).
+An unusable input thus ends the run with exit code 2 and one line, before
+any file is written.
 
 torch and the modules that import it are imported inside the checks that
 need them, so that a run refused early starts fast.
@@ -15,11 +16,9 @@ need them, so that a run refused early starts fast.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import os
-import tempfile
 import warnings
 from typing import TYPE_CHECKING
 
@@ -28,8 +27,8 @@ from yacs.config import CfgNode
 from distribuuuu.cli import is_rank_zero
 from distribuuuu.config import load_cfg
 from distribuuuu.config.validation import check_choice
-from distribuuuu.engine import run_lock
-from distribuuuu.errors import ConfigError, OutDirInUseError, RefusedCheckpointError
+from distribuuuu.engine import out_dir, run_lock
+from distribuuuu.errors import ConfigError, OutDirInUseError
 from distribuuuu.job import is_launched
 
 if TYPE_CHECKING:  # torch only for the annotations: imported where it is used
@@ -309,15 +308,6 @@ def _replicas(cfg: CfgNode, world_size: int) -> int:
     return strategy_class(spec.name).replicas(spec, world_size)
 
 
-def _checkpoints_in(out_dir: str) -> tuple[list[str], list[str]]:
-    """The training checkpoints and best weights in ``out_dir``."""
-    from distribuuuu import checkpoint as cp
-
-    checkpoints = [path for _, path in cp.list_checkpoints(out_dir)]
-    best = [os.path.join(out_dir, n) for n in (cp.BEST_WEIGHTS, cp.BEST_EMA_WEIGHTS)]
-    return checkpoints, [path for path in best if os.path.lexists(path)]
-
-
 def check_inputs(
     cfg: CfgNode,
     keep_out_dir: bool = True,
@@ -337,7 +327,7 @@ def check_inputs(
     from distribuuuu.engine.specs import data_spec
     from distribuuuu.errors import DataError
 
-    check_out_dir_path(cfg.OUT_DIR)
+    out_dir.check_out_dir_path(cfg.OUT_DIR)
     try:
         readers = None
         if cfg.DATA.NAME == "webdataset" and not eval_only:
@@ -355,7 +345,7 @@ def check_inputs(
         check_weights(distill.WEIGHTS, distill.ARCH, cfg.MODEL.NUM_CLASSES,
                       key="TRAIN.DISTILL.WEIGHTS")  # fmt: skip
     if eval_only:
-        check_out_dir(cfg.OUT_DIR, keep_out_dir)
+        out_dir.check_out_dir(cfg.OUT_DIR, keep_out_dir)
     else:
         check_training_out_dir(cfg, world_size, keep_out_dir, dry_run)
 
@@ -364,30 +354,31 @@ def check_training_out_dir(
     cfg: CfgNode, world_size: int, keep: bool = True, dry_run: bool = False
 ) -> None:
     """The batch against the training images (unless a checkpoint, whose
-    batch wins, may be resumed), OUT_DIR (see :func:`check_out_dir`), its lock
-    (taken by rank 0 for the run, not for ``dry_run``), then the checkpoints
-    of an earlier run in it; raise ConfigError."""
-    checkpoints, _ = _checkpoints_in(cfg.OUT_DIR)
+    batch wins, may be resumed), OUT_DIR (see
+    :func:`~distribuuuu.engine.out_dir.check_out_dir`), its lock (taken by
+    rank 0 for the run, not for ``dry_run``), then the checkpoints of an
+    earlier run in it; raise ConfigError."""
+    checkpoints, _ = out_dir.checkpoints_in(cfg.OUT_DIR)
     if not (checkpoints and cfg.TRAIN.AUTO_RESUME):
         check_batch_fits(cfg, _replicas(cfg, world_size))
-    created = _missing_dirs(cfg.OUT_DIR)
-    check_out_dir(cfg.OUT_DIR, keep)
+    created = out_dir.missing_dirs(cfg.OUT_DIR)
+    out_dir.check_out_dir(cfg.OUT_DIR, keep)
     # The lock before the checks that read the checkpoints in OUT_DIR: none
     # of a live run is read (nor resumed from, later) by a second one.
     lock = None
     try:
         if not dry_run:
             lock = claim_out_dir(cfg.OUT_DIR, world_size)
-        check_previous_run(cfg.OUT_DIR, cfg.TRAIN.AUTO_RESUME, dry_run)
+        out_dir.check_previous_run(cfg.OUT_DIR, cfg.TRAIN.AUTO_RESUME, dry_run)
     except BaseException:  # refused (or stopped): leave OUT_DIR as it was
         run_lock.release_out_dir(lock)
-        _remove_dirs(created if keep else [])
+        out_dir.remove_dirs(created if keep else [])
         raise
     run_lock.record_holder(lock)
 
 
-def claim_out_dir(out_dir: str, world_size: int) -> run_lock.RunLock | None:
-    """On rank 0, take the lock of the existing ``out_dir`` for this run.
+def claim_out_dir(out_dir_path: str, world_size: int) -> run_lock.RunLock | None:
+    """On rank 0, take the lock of the existing ``out_dir_path`` for this run.
 
     A refusal raises OutDirInUseError, except on rank 0 of a launched job
     of ``world_size`` > 1 processes: there it waits for the process group, so
@@ -397,104 +388,9 @@ def claim_out_dir(out_dir: str, world_size: int) -> run_lock.RunLock | None:
     if not is_rank_zero():
         return None
     try:
-        return run_lock.lock_out_dir(out_dir)
+        return run_lock.lock_out_dir(out_dir_path)
     except OutDirInUseError as error:
         if world_size > 1 and is_launched():
             run_lock.defer_refusal(error)
             return None
-        raise
-
-
-def check_previous_run(out_dir: str, auto_resume: bool, dry_run: bool = False) -> None:
-    """Refuse the checkpoints of an earlier run in ``out_dir`` that a new one
-    would overwrite (TRAIN.AUTO_RESUME False) or that resuming would refuse."""
-    checkpoints, best = _checkpoints_in(out_dir)
-    found = checkpoints + best
-    if found and not auto_resume and not dry_run:
-        raise ConfigError(
-            f"TRAIN.AUTO_RESUME False: OUT_DIR {out_dir} already holds "
-            f"{len(found)} checkpoint files of a run ({found[0]}"
-            f"{', ...' * (len(found) > 1)}), which a new run would overwrite; use "
-            "a fresh OUT_DIR, or TRAIN.AUTO_RESUME True to continue that run"
-        )
-    if auto_resume:
-        check_resume(out_dir)
-
-
-def check_resume(out_dir: str) -> None:
-    """Refuse an OUT_DIR whose checkpoint would be refused; raise ConfigError.
-
-    A checkpoint that would build code or reach files elsewhere is refused;
-    damaged ones are skipped when resuming, and pass.
-    """
-    from distribuuuu import checkpoint as cp
-
-    try:
-        cp.find_resume_checkpoint(out_dir, warn=False)
-    except RefusedCheckpointError as error:
-        raise ConfigError(f"OUT_DIR checkpoint {error}; remove it") from error
-
-
-def check_out_dir_path(out_dir: str) -> None:
-    """Refuse an OUT_DIR that is (or resolves to) the root of the file system."""
-    resolved = os.path.realpath(out_dir)
-    if os.path.dirname(resolved) == resolved:  # "/" (a drive's root elsewhere)
-        via = "" if out_dir == resolved else f", which resolves to {resolved},"
-        raise ConfigError(
-            f"OUT_DIR {out_dir}{via} is the root of the file system: a run writes "
-            "its config, logs and checkpoints there; give it a folder of its own, "
-            "e.g. OUT_DIR ./runs/first"
-        )
-
-
-def _missing_dirs(path: str) -> list[str]:
-    """``path`` and those of its parents that do not exist yet, outermost first."""
-    missing = []
-    path = os.path.abspath(path)
-    while not os.path.lexists(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing[::-1]
-
-
-def _write_probe(directory: str) -> None:
-    fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
-    try:
-        os.write(fd, b"distribuuuu checks that OUT_DIR is writable\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-        os.remove(probe)
-
-
-def _remove_dirs(created: list[str]) -> None:
-    """Remove the directories of :func:`_missing_dirs`, innermost first."""
-    for directory in reversed(created):
-        with contextlib.suppress(OSError):
-            os.rmdir(directory)
-
-
-def check_out_dir(out_dir: str, keep: bool = True) -> None:
-    """Create ``out_dir`` and prove it writable (write, fsync, delete a probe).
-
-    Raises a ConfigError naming the directory and the reason (no space, no
-    permission, a file in the way, ...); directories it created are removed.
-    Unless ``keep`` (a dry run; its ranks check at once), nothing is created:
-    the probe goes to the nearest existing folder."""
-    created = _missing_dirs(out_dir)
-    nearest = os.path.dirname(created[0]) if created else os.path.abspath(out_dir)
-    if not os.path.isdir(nearest):
-        culprit = nearest if created else "it"
-        raise ConfigError(f"OUT_DIR {out_dir}: {culprit} exists but is not a directory")
-    made = created if keep else []
-    try:
-        if made:
-            os.makedirs(out_dir, exist_ok=True)
-        _write_probe(out_dir if keep else nearest)
-    except OSError as error:
-        _remove_dirs(made)
-        reason = error.strerror or str(error)
-        raise ConfigError(f"OUT_DIR {out_dir}: cannot write there: {reason}") from error
-    except BaseException:  # Ctrl-C, a signal: leave nothing behind
-        _remove_dirs(made)
         raise
