@@ -10,6 +10,11 @@ training, locked by rank 0 for the run: :mod:`distribuuuu.engine.run_lock`).
 An unusable input thus ends the run with exit code 2 and one line, before
 any file is written.
 
+In a launched job of several processes rank 0 alone checks the data (one
+walk of an image folder for every rank) and takes the lock; its refusal is
+told to every rank once they joined the process group
+(:mod:`distribuuuu.dist.refusal`), so that all exit 2 together.
+
 torch and the modules that import it are imported inside the checks that
 need them, so that a run refused early starts fast.
 """
@@ -20,6 +25,7 @@ import dataclasses
 import difflib
 import os
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from yacs.config import CfgNode
@@ -27,8 +33,9 @@ from yacs.config import CfgNode
 from distribuuuu.cli import is_rank_zero
 from distribuuuu.config import load_cfg
 from distribuuuu.config.validation import check_choice
+from distribuuuu.dist import refusal
 from distribuuuu.engine import out_dir, run_lock
-from distribuuuu.errors import ConfigError, OutDirInUseError
+from distribuuuu.errors import ConfigError, DeferredRefusalError, OutDirInUseError
 from distribuuuu.job import is_launched
 
 if TYPE_CHECKING:  # torch only for the annotations: imported where it is used
@@ -308,6 +315,45 @@ def _replicas(cfg: CfgNode, world_size: int) -> int:
     return strategy_class(spec.name).replicas(spec, world_size)
 
 
+def rank_zero_checks_for_all(world_size: int) -> bool:
+    """True in a rank of a launched job of ``world_size`` > 1 processes,
+    where rank 0 checks the data (:func:`check_data_once`) and OUT_DIR's lock
+    for every rank."""
+    return world_size > 1 and is_launched()
+
+
+def check_data_once(check: Callable[[], None], world_size: int) -> None:
+    """Run ``check``, a check of the data (the folders, the batch against
+    the images), here; in a launched job of ``world_size`` > 1 processes on
+    rank 0 alone, which keeps its refusal until every rank can be told
+    (:func:`~distribuuuu.dist.refusal.agree_inputs_usable`): one walk of an
+    image folder, not one per rank, and no rank waits for one that exited."""
+    if not rank_zero_checks_for_all(world_size):
+        check()
+        return
+    if not is_rank_zero() or refusal.deferred_refusal() is not None:
+        return
+    try:
+        check()
+    except ConfigError as error:
+        refusal.defer_refusal(DeferredRefusalError(str(error)))
+
+
+def _check_data(cfg: CfgNode, eval_only: bool, world_size: int) -> None:
+    """The data folders or shards of ``cfg`` (:func:`distribuuuu.data.check_data`)."""
+    from distribuuuu.data import check_data
+    from distribuuuu.engine.specs import data_spec
+    from distribuuuu.errors import DataError
+
+    try:
+        readers = None
+        if cfg.DATA.NAME == "webdataset" and not eval_only:
+            readers = _replicas(cfg, world_size)
+        check_data(data_spec(cfg), readers, workers=cfg.TRAIN.WORKERS)
+    except DataError as error:
+        raise ConfigError(str(error)) from error
+
+
 def check_inputs(
     cfg: CfgNode,
     keep_out_dir: bool = True,
@@ -317,50 +363,52 @@ def check_inputs(
 ) -> None:
     """Check what ``cfg`` names, before anything is written; raise ConfigError.
 
-    OUT_DIR not the root of the file system, the data folders, MODEL.WEIGHTS
-    (whose head must fit when ``eval_only``, MODEL.FINETUNE or not), then
-    OUT_DIR (created, probed writable; removed again unless ``keep_out_dir``
-    when this created it) and, for training, what
-    :func:`check_training_out_dir` checks with ``world_size`` processes.
+    OUT_DIR not the root of the file system, the data folders (on rank 0
+    alone in a launched job: :func:`check_data_once`), MODEL.WEIGHTS (whose
+    head must fit when ``eval_only``, MODEL.FINETUNE or not), then OUT_DIR
+    (created, probed writable; removed again unless ``keep_out_dir`` when
+    this created it) and, for training, what :func:`check_training_out_dir`
+    checks with ``world_size`` processes.  A later refusal of rank 0 raises
+    the data's refusal that it kept, as one process would have.
     """
-    from distribuuuu.data import check_data
-    from distribuuuu.engine.specs import data_spec
-    from distribuuuu.errors import DataError
-
     out_dir.check_out_dir_path(cfg.OUT_DIR)
+    check_data_once(lambda: _check_data(cfg, eval_only, world_size), world_size)
     try:
-        readers = None
-        if cfg.DATA.NAME == "webdataset" and not eval_only:
-            readers = _replicas(cfg, world_size)
-        check_data(data_spec(cfg), readers, workers=cfg.TRAIN.WORKERS)
-    except DataError as error:
-        raise ConfigError(str(error)) from error
-    if cfg.MODEL.WEIGHTS:
-        finetune = cfg.MODEL.FINETUNE and not eval_only
-        check_weights(
-            cfg.MODEL.WEIGHTS, cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, finetune
-        )
-    distill = cfg.TRAIN.DISTILL
-    if distill.ARCH and not eval_only:
-        check_weights(distill.WEIGHTS, distill.ARCH, cfg.MODEL.NUM_CLASSES,
-                      key="TRAIN.DISTILL.WEIGHTS")  # fmt: skip
-    if eval_only:
-        out_dir.check_out_dir(cfg.OUT_DIR, keep_out_dir)
-    else:
-        check_training_out_dir(cfg, world_size, keep_out_dir, dry_run)
+        if cfg.MODEL.WEIGHTS:
+            finetune = cfg.MODEL.FINETUNE and not eval_only
+            check_weights(
+                cfg.MODEL.WEIGHTS, cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, finetune
+            )
+        distill = cfg.TRAIN.DISTILL
+        if distill.ARCH and not eval_only:
+            check_weights(distill.WEIGHTS, distill.ARCH, cfg.MODEL.NUM_CLASSES,
+                          key="TRAIN.DISTILL.WEIGHTS")  # fmt: skip
+        created = out_dir.missing_dirs(cfg.OUT_DIR) if keep_out_dir else []
+        if rank_zero_checks_for_all(world_size):
+            refusal.undo_on_refusal(lambda: out_dir.remove_dirs(created))
+        if eval_only:
+            out_dir.check_out_dir(cfg.OUT_DIR, keep_out_dir)
+        else:
+            check_training_out_dir(cfg, world_size, keep_out_dir, dry_run)
+    except ConfigError as error:
+        kept = refusal.deferred_refusal()
+        if kept is None:
+            raise
+        raise kept from error
 
 
 def check_training_out_dir(
     cfg: CfgNode, world_size: int, keep: bool = True, dry_run: bool = False
 ) -> None:
     """The batch against the training images (unless a checkpoint, whose
-    batch wins, may be resumed), OUT_DIR (see
-    :func:`~distribuuuu.engine.out_dir.check_out_dir`), its lock (taken by
-    rank 0 for the run, not for ``dry_run``), then the checkpoints of an
+    batch wins, may be resumed; on rank 0 alone in a launched job), OUT_DIR
+    (see :func:`~distribuuuu.engine.out_dir.check_out_dir`), its lock (taken
+    by rank 0 for the run, not for ``dry_run``), then the checkpoints of an
     earlier run in it; raise ConfigError."""
     checkpoints, _ = out_dir.checkpoints_in(cfg.OUT_DIR)
     if not (checkpoints and cfg.TRAIN.AUTO_RESUME):
-        check_batch_fits(cfg, _replicas(cfg, world_size))
+        replicas = _replicas(cfg, world_size)
+        check_data_once(lambda: check_batch_fits(cfg, replicas), world_size)
     created = out_dir.missing_dirs(cfg.OUT_DIR)
     out_dir.check_out_dir(cfg.OUT_DIR, keep)
     # The lock before the checks that read the checkpoints in OUT_DIR: none
@@ -375,22 +423,26 @@ def check_training_out_dir(
         out_dir.remove_dirs(created if keep else [])
         raise
     run_lock.record_holder(lock)
+    if rank_zero_checks_for_all(world_size):
+        refusal.undo_on_refusal(lambda: run_lock.release_out_dir(lock), release=True)
 
 
 def claim_out_dir(out_dir_path: str, world_size: int) -> run_lock.RunLock | None:
     """On rank 0, take the lock of the existing ``out_dir_path`` for this run.
 
-    A refusal raises OutDirInUseError, except on rank 0 of a launched job
-    of ``world_size`` > 1 processes: there it waits for the process group, so
-    that every rank exits 2 (:func:`run_lock.agree_out_dir_free`).  None on the
+    A refusal raises OutDirInUseError (ConfigError: a lock file that cannot
+    be locked), except on rank 0 of a launched job of ``world_size`` > 1
+    processes: there it waits for the process group, so that every rank exits
+    2 (:func:`~distribuuuu.dist.refusal.agree_inputs_usable`).  None on the
     other ranks and where the file system cannot lock.
     """
     if not is_rank_zero():
         return None
     try:
         return run_lock.lock_out_dir(out_dir_path)
-    except OutDirInUseError as error:
-        if world_size > 1 and is_launched():
-            run_lock.defer_refusal(error)
-            return None
-        raise
+    except ConfigError as error:
+        if not rank_zero_checks_for_all(world_size):
+            raise
+        in_use = isinstance(error, OutDirInUseError)
+        refusal.defer_refusal(error if in_use else DeferredRefusalError(str(error)))
+        return None
