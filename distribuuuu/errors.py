@@ -25,6 +25,11 @@ class OutDirInUseError(ConfigError):
     """Another live process holds the lock of OUT_DIR."""
 
 
+class DeferredRefusalError(ConfigError):
+    """An input that rank 0 alone refused before the process group existed,
+    raised on every rank once they joined it (exit 2, nothing written)."""
+
+
 class LaunchError(ValueError):
     """The environment describes a launch that cannot work (e.g. srun forgotten)."""
 

@@ -4,10 +4,16 @@
 the launch (srun forgotten, CUDA asked for but absent, more processes than
 GPUs), the inputs the cfg names (data folders, MODEL.WEIGHTS, checkpoints
 already in OUT_DIR), the packages of LOG.TRACKERS, the batch against the
-training images, and OUT_DIR itself (not the root of the file system,
-created and proved writable, and, for training, locked by rank 0 for the
-run: :mod:`distribuuuu.engine.run_lock`).  An unusable input thus ends the run with
-exit code 2 and one line, before any file is written.
+training images, and OUT_DIR itself (:mod:`distribuuuu.engine.out_dir`: not
+the root of the file system, created and proved writable, and, for
+training, locked by rank 0 for the run: :mod:`distribuuuu.engine.run_lock`).
+An unusable input thus ends the run with exit code 2 and one line, before
+any file is written.
+
+In a launched job of several processes rank 0 alone checks the data (one
+walk of an image folder for every rank) and takes the lock; its refusal is
+told to every rank once they joined the process group
+(:mod:`distribuuuu.dist.refusal`), so that all exit 2 together.
 
 torch and the modules that import it are imported inside the checks that
 need them, so that a run refused early starts fast.
@@ -15,12 +21,11 @@ need them, so that a run refused early starts fast.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import os
-import tempfile
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from yacs.config import CfgNode
@@ -28,8 +33,9 @@ from yacs.config import CfgNode
 from distribuuuu.cli import is_rank_zero
 from distribuuuu.config import load_cfg
 from distribuuuu.config.validation import check_choice
-from distribuuuu.engine import run_lock
-from distribuuuu.errors import ConfigError, OutDirInUseError, RefusedCheckpointError
+from distribuuuu.dist import refusal
+from distribuuuu.engine import out_dir, run_lock
+from distribuuuu.errors import ConfigError, DeferredRefusalError, OutDirInUseError
 from distribuuuu.job import is_launched
 
 if TYPE_CHECKING:  # torch only for the annotations: imported where it is used
@@ -294,13 +300,43 @@ def _replicas(cfg: CfgNode, world_size: int) -> int:
     return strategy_class(spec.name).replicas(spec, world_size)
 
 
-def _checkpoints_in(out_dir: str) -> tuple[list[str], list[str]]:
-    """The training checkpoints and best weights in ``out_dir``."""
-    from distribuuuu import checkpoint as cp
+def rank_zero_checks_for_all(world_size: int) -> bool:
+    """True in a rank of a launched job of ``world_size`` > 1 processes,
+    where rank 0 checks the data (:func:`check_data_once`) and OUT_DIR's lock
+    for every rank."""
+    return world_size > 1 and is_launched()
 
-    checkpoints = [path for _, path in cp.list_checkpoints(out_dir)]
-    best = [os.path.join(out_dir, n) for n in (cp.BEST_WEIGHTS, cp.BEST_EMA_WEIGHTS)]
-    return checkpoints, [path for path in best if os.path.lexists(path)]
+
+def check_data_once(check: Callable[[], None], world_size: int) -> None:
+    """Run ``check``, a check of the data (the folders, the batch against
+    the images), here; in a launched job of ``world_size`` > 1 processes on
+    rank 0 alone, which keeps its refusal until every rank can be told
+    (:func:`~distribuuuu.dist.refusal.agree_inputs_usable`): one walk of an
+    image folder, not one per rank, and no rank waits for one that exited."""
+    if not rank_zero_checks_for_all(world_size):
+        check()
+        return
+    if not is_rank_zero() or refusal.deferred_refusal() is not None:
+        return
+    try:
+        check()
+    except ConfigError as error:
+        refusal.defer_refusal(DeferredRefusalError(str(error)))
+
+
+def _check_data(cfg: CfgNode, eval_only: bool, world_size: int) -> None:
+    """The data folders or shards of ``cfg`` (:func:`distribuuuu.data.check_data`)."""
+    from distribuuuu.data import check_data
+    from distribuuuu.engine.specs import data_spec
+    from distribuuuu.errors import DataError
+
+    try:
+        readers = None
+        if cfg.DATA.NAME == "webdataset" and not eval_only:
+            readers = _replicas(cfg, world_size)
+        check_data(data_spec(cfg), readers, workers=cfg.TRAIN.WORKERS)
+    except DataError as error:
+        raise ConfigError(str(error)) from error
 
 
 def check_inputs(
@@ -312,174 +348,86 @@ def check_inputs(
 ) -> None:
     """Check what ``cfg`` names, before anything is written; raise ConfigError.
 
-    OUT_DIR not the root of the file system, the data folders, MODEL.WEIGHTS
-    (whose head must fit when ``eval_only``, MODEL.FINETUNE or not), then
-    OUT_DIR (created, probed writable; removed again unless ``keep_out_dir``
-    when this created it) and, for training, what
-    :func:`check_training_out_dir` checks with ``world_size`` processes.
+    OUT_DIR not the root of the file system, the data folders (on rank 0
+    alone in a launched job: :func:`check_data_once`), MODEL.WEIGHTS (whose
+    head must fit when ``eval_only``, MODEL.FINETUNE or not), then OUT_DIR
+    (created, probed writable; removed again unless ``keep_out_dir`` when
+    this created it) and, for training, what :func:`check_training_out_dir`
+    checks with ``world_size`` processes.  A later refusal of rank 0 raises
+    the data's refusal that it kept, as one process would have.
     """
-    from distribuuuu.data import check_data
-    from distribuuuu.engine.specs import data_spec
-    from distribuuuu.errors import DataError
-
-    check_out_dir_path(cfg.OUT_DIR)
+    out_dir.check_out_dir_path(cfg.OUT_DIR)
+    check_data_once(lambda: _check_data(cfg, eval_only, world_size), world_size)
     try:
-        readers = None
-        if cfg.DATA.NAME == "webdataset" and not eval_only:
-            readers = _replicas(cfg, world_size)
-        check_data(data_spec(cfg), readers, workers=cfg.TRAIN.WORKERS)
-    except DataError as error:
-        raise ConfigError(str(error)) from error
-    if cfg.MODEL.WEIGHTS:
-        finetune = cfg.MODEL.FINETUNE and not eval_only
-        check_weights(
-            cfg.MODEL.WEIGHTS, cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, finetune
-        )
-    distill = cfg.TRAIN.DISTILL
-    if distill.ARCH and not eval_only:
-        check_weights(distill.WEIGHTS, distill.ARCH, cfg.MODEL.NUM_CLASSES,
-                      key="TRAIN.DISTILL.WEIGHTS")  # fmt: skip
-    if eval_only:
-        check_out_dir(cfg.OUT_DIR, keep_out_dir)
-    else:
-        check_training_out_dir(cfg, world_size, keep_out_dir, dry_run)
+        if cfg.MODEL.WEIGHTS:
+            finetune = cfg.MODEL.FINETUNE and not eval_only
+            check_weights(
+                cfg.MODEL.WEIGHTS, cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES, finetune
+            )
+        distill = cfg.TRAIN.DISTILL
+        if distill.ARCH and not eval_only:
+            check_weights(distill.WEIGHTS, distill.ARCH, cfg.MODEL.NUM_CLASSES,
+                          key="TRAIN.DISTILL.WEIGHTS")  # fmt: skip
+        created = out_dir.missing_dirs(cfg.OUT_DIR) if keep_out_dir else []
+        if rank_zero_checks_for_all(world_size):
+            refusal.undo_on_refusal(lambda: out_dir.remove_dirs(created))
+        if eval_only:
+            out_dir.check_out_dir(cfg.OUT_DIR, keep_out_dir)
+        else:
+            check_training_out_dir(cfg, world_size, keep_out_dir, dry_run)
+    except ConfigError as error:
+        kept = refusal.deferred_refusal()
+        if kept is None:
+            raise
+        raise kept from error
 
 
 def check_training_out_dir(
     cfg: CfgNode, world_size: int, keep: bool = True, dry_run: bool = False
 ) -> None:
     """The batch against the training images (unless a checkpoint, whose
-    batch wins, may be resumed), OUT_DIR (see :func:`check_out_dir`), its lock
-    (taken by rank 0 for the run, not for ``dry_run``), then the checkpoints
-    of an earlier run in it; raise ConfigError."""
-    checkpoints, _ = _checkpoints_in(cfg.OUT_DIR)
+    batch wins, may be resumed; on rank 0 alone in a launched job), OUT_DIR
+    (see :func:`~distribuuuu.engine.out_dir.check_out_dir`), its lock (taken
+    by rank 0 for the run, not for ``dry_run``), then the checkpoints of an
+    earlier run in it; raise ConfigError."""
+    checkpoints, _ = out_dir.checkpoints_in(cfg.OUT_DIR)
     if not (checkpoints and cfg.TRAIN.AUTO_RESUME):
-        check_batch_fits(cfg, _replicas(cfg, world_size))
-    created = _missing_dirs(cfg.OUT_DIR)
-    check_out_dir(cfg.OUT_DIR, keep)
+        replicas = _replicas(cfg, world_size)
+        check_data_once(lambda: check_batch_fits(cfg, replicas), world_size)
+    created = out_dir.missing_dirs(cfg.OUT_DIR)
+    out_dir.check_out_dir(cfg.OUT_DIR, keep)
     # The lock before the checks that read the checkpoints in OUT_DIR: none
     # of a live run is read (nor resumed from, later) by a second one.
     lock = None
     try:
         if not dry_run:
             lock = claim_out_dir(cfg.OUT_DIR, world_size)
-        check_previous_run(cfg.OUT_DIR, cfg.TRAIN.AUTO_RESUME, dry_run)
+        out_dir.check_previous_run(cfg.OUT_DIR, cfg.TRAIN.AUTO_RESUME, dry_run)
     except BaseException:  # refused (or stopped): leave OUT_DIR as it was
         run_lock.release_out_dir(lock)
-        _remove_dirs(created if keep else [])
+        out_dir.remove_dirs(created if keep else [])
         raise
     run_lock.record_holder(lock)
+    if rank_zero_checks_for_all(world_size):
+        refusal.undo_on_refusal(lambda: run_lock.release_out_dir(lock), release=True)
 
 
-def claim_out_dir(out_dir: str, world_size: int) -> run_lock.RunLock | None:
-    """On rank 0, take the lock of the existing ``out_dir`` for this run.
+def claim_out_dir(out_dir_path: str, world_size: int) -> run_lock.RunLock | None:
+    """On rank 0, take the lock of the existing ``out_dir_path`` for this run.
 
-    A refusal raises OutDirInUseError, except on rank 0 of a launched job
-    of ``world_size`` > 1 processes: there it waits for the process group, so
-    that every rank exits 2 (:func:`run_lock.agree_out_dir_free`).  None on the
+    A refusal raises OutDirInUseError (ConfigError: a lock file that cannot
+    be locked), except on rank 0 of a launched job of ``world_size`` > 1
+    processes: there it waits for the process group, so that every rank exits
+    2 (:func:`~distribuuuu.dist.refusal.agree_inputs_usable`).  None on the
     other ranks and where the file system cannot lock.
     """
     if not is_rank_zero():
         return None
     try:
-        return run_lock.lock_out_dir(out_dir)
-    except OutDirInUseError as error:
-        if world_size > 1 and is_launched():
-            run_lock.defer_refusal(error)
-            return None
-        raise
-
-
-def check_previous_run(out_dir: str, auto_resume: bool, dry_run: bool = False) -> None:
-    """Refuse the checkpoints of an earlier run in ``out_dir`` that a new one
-    would overwrite (TRAIN.AUTO_RESUME False) or that resuming would refuse."""
-    checkpoints, best = _checkpoints_in(out_dir)
-    found = checkpoints + best
-    if found and not auto_resume and not dry_run:
-        raise ConfigError(
-            f"TRAIN.AUTO_RESUME False: OUT_DIR {out_dir} already holds "
-            f"{len(found)} checkpoint files of a run ({found[0]}"
-            f"{', ...' * (len(found) > 1)}), which a new run would overwrite; use "
-            "a fresh OUT_DIR, or TRAIN.AUTO_RESUME True to continue that run"
-        )
-    if auto_resume:
-        check_resume(out_dir)
-
-
-def check_resume(out_dir: str) -> None:
-    """Refuse an OUT_DIR whose checkpoint would be refused; raise ConfigError.
-
-    A checkpoint that would build code or reach files elsewhere is refused;
-    damaged ones are skipped when resuming, and pass.
-    """
-    from distribuuuu import checkpoint as cp
-
-    try:
-        cp.find_resume_checkpoint(out_dir, warn=False)
-    except RefusedCheckpointError as error:
-        raise ConfigError(f"OUT_DIR checkpoint {error}; remove it") from error
-
-
-def check_out_dir_path(out_dir: str) -> None:
-    """Refuse an OUT_DIR that is (or resolves to) the root of the file system."""
-    resolved = os.path.realpath(out_dir)
-    if os.path.dirname(resolved) == resolved:  # "/" (a drive's root elsewhere)
-        via = "" if out_dir == resolved else f", which resolves to {resolved},"
-        raise ConfigError(
-            f"OUT_DIR {out_dir}{via} is the root of the file system: a run writes "
-            "its config, logs and checkpoints there; give it a folder of its own, "
-            "e.g. OUT_DIR ./runs/first"
-        )
-
-
-def _missing_dirs(path: str) -> list[str]:
-    """``path`` and those of its parents that do not exist yet, outermost first."""
-    missing = []
-    path = os.path.abspath(path)
-    while not os.path.lexists(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing[::-1]
-
-
-def _write_probe(directory: str) -> None:
-    fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
-    try:
-        os.write(fd, b"distribuuuu checks that OUT_DIR is writable\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-        os.remove(probe)
-
-
-def _remove_dirs(created: list[str]) -> None:
-    """Remove the directories of :func:`_missing_dirs`, innermost first."""
-    for directory in reversed(created):
-        with contextlib.suppress(OSError):
-            os.rmdir(directory)
-
-
-def check_out_dir(out_dir: str, keep: bool = True) -> None:
-    """Create ``out_dir`` and prove it writable (write, fsync, delete a probe).
-
-    Raises a ConfigError naming the directory and the reason (no space, no
-    permission, a file in the way, ...); directories it created are removed.
-    Unless ``keep`` (a dry run; its ranks check at once), nothing is created:
-    the probe goes to the nearest existing folder."""
-    created = _missing_dirs(out_dir)
-    nearest = os.path.dirname(created[0]) if created else os.path.abspath(out_dir)
-    if not os.path.isdir(nearest):
-        culprit = nearest if created else "it"
-        raise ConfigError(f"OUT_DIR {out_dir}: {culprit} exists but is not a directory")
-    made = created if keep else []
-    try:
-        if made:
-            os.makedirs(out_dir, exist_ok=True)
-        _write_probe(out_dir if keep else nearest)
-    except OSError as error:
-        _remove_dirs(made)
-        reason = error.strerror or str(error)
-        raise ConfigError(f"OUT_DIR {out_dir}: cannot write there: {reason}") from error
-    except BaseException:  # Ctrl-C, a signal: leave nothing behind
-        _remove_dirs(made)
-        raise
+        return run_lock.lock_out_dir(out_dir_path)
+    except ConfigError as error:
+        if not rank_zero_checks_for_all(world_size):
+            raise
+        in_use = isinstance(error, OutDirInUseError)
+        refusal.defer_refusal(error if in_use else DeferredRefusalError(str(error)))
+        return None

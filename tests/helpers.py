@@ -326,7 +326,8 @@ def _entry(
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have left it (a run of train_net)
+            dist.destroy_process_group()
         # Device meshes keep gloo groups alive past exit, which can abort the
         # finished process (see distribuuuu.dist.group.release_groups).
         release_groups()

@@ -27,7 +27,7 @@ from distribuuuu.config import (
 )
 from distribuuuu.dist import worker_server
 from distribuuuu.engine import run_lock
-from distribuuuu.errors import OutDirInUseError
+from distribuuuu.errors import DeferredRefusalError, OutDirInUseError
 
 EXIT_CODES = """exit codes:
   0    done
@@ -48,10 +48,11 @@ EXIT_CODES = """exit codes:
 every error ends with one line on stderr that starts with "error: "."""
 
 
-# Another run holds OUT_DIR's lock: found before the run in one process, or
-# told to every rank of a launched job once they joined the process group.
-OUT_DIR_IN_USE = cli.ErrorExit(
-    OutDirInUseError, cli.EXIT_UNUSABLE_INPUT, cli.plain_message
+# Another run holds OUT_DIR's lock, or rank 0 refused the data: found before
+# the run in one process, or told to every rank of a launched job once they
+# joined the process group (distribuuuu/dist/refusal.py).
+RANK_ZERO_REFUSED = cli.ErrorExit(
+    (OutDirInUseError, DeferredRefusalError), cli.EXIT_UNUSABLE_INPUT, cli.plain_message
 )
 
 
@@ -171,7 +172,7 @@ def check_and_start(args: argparse.Namespace) -> int:
     code = cli.run_tool(
         lambda: checked.append(load_and_check(args)),
         args.debug,
-        (OUT_DIR_IN_USE, *cli.train_startup_rules(args.eval_only, args.dry_run)),
+        (RANK_ZERO_REFUSED, *cli.train_startup_rules(args.eval_only, args.dry_run)),
     )
     if code != cli.EXIT_OK:
         return code
@@ -184,7 +185,7 @@ def check_and_start(args: argparse.Namespace) -> int:
     rules = cli.train_run_rules(args.num_procs, args.eval_only, args.dry_run)
     try:
         return cli.run_tool(
-            lambda: run_checked_job(cfg, args), args.debug, (*rules, OUT_DIR_IN_USE)
+            lambda: run_checked_job(cfg, args), args.debug, (*rules, RANK_ZERO_REFUSED)
         )
     finally:  # the run is over: OUT_DIR's lock (and its descriptor) goes
         run_lock.release_out_dir_locks()

@@ -17,7 +17,8 @@ it closes *any* descriptor of the file, so only this module opens it.  Where
 the file system cannot lock at all, the run is warned once and goes on.
 
 The file stays behind, hidden; a file that no live process locks is stale and
-simply taken over.  Nothing here imports torch but :func:`agree_out_dir_free`.
+simply taken over.  A refusal of rank 0 in a launched job is told to every
+rank by :mod:`distribuuuu.dist.refusal`.  Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
+from distribuuuu.dist.refusal import forget_refusal
 from distribuuuu.errors import ConfigError, OutDirInUseError
 
 LOCK_NAME = ".lock"
@@ -54,14 +56,10 @@ class RunLock:
     created: bool
 
 
-# How long the other ranks of a refused launched job wait before exiting.
-_RANK_ZERO_FIRST_S = 3.0
 # What this process holds, by the real path of the lock file.  The descriptors
 # stay open until the process ends (or release_out_dir_locks): closing one
 # would drop the lock.
 _HELD: dict[str, RunLock] = {}
-# Rank 0's refusal in a launched job, told to every rank by agree_out_dir_free.
-_DEFERRED: list[OutDirInUseError] = []
 
 
 def lock_path(out_dir: str) -> str:
@@ -200,29 +198,4 @@ def release_out_dir_locks() -> None:
     for lock in list(_HELD.values()):
         os.close(lock.fd)
     _HELD.clear()
-    _DEFERRED.clear()
-
-
-def defer_refusal(error: OutDirInUseError) -> None:
-    """Keep rank 0's refusal until the ranks can be told (a launched job)."""
-    _DEFERRED[:] = [error]
-
-
-def agree_out_dir_free() -> None:
-    """Raise OutDirInUseError on every rank if rank 0 found OUT_DIR in use.
-
-    A collective of every rank, once the process group is joined and before
-    anything is written: the other ranks exit 2 with rank 0 (a moment after
-    it), instead of waiting for it until DIST.INIT_TIMEOUT.
-    """
-    from distribuuuu.dist.group import all_reduce_max_int
-
-    refusal = _DEFERRED[0] if _DEFERRED else None
-    if not all_reduce_max_int(int(refusal is not None)):
-        return
-    if refusal is not None:
-        raise refusal
-    # Rank 0 reports (its line names the holder): let it exit first, or
-    # torchrun, seeing this rank exit, stops rank 0 before it has printed.
-    time.sleep(_RANK_ZERO_FIRST_S)
-    raise OutDirInUseError("rank 0 found OUT_DIR in use by another run")
+    forget_refusal()

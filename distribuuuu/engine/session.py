@@ -13,8 +13,8 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu.dist import group as du
+from distribuuuu.dist.refusal import agree_inputs_usable
 from distribuuuu.dist.worker_server import start_worker_server
-from distribuuuu.engine.run_lock import agree_out_dir_free
 from distribuuuu.engine.specs import AUTO_STRATEGY, run_precision, strategy_spec
 from distribuuuu.logger import setup_logging
 from distribuuuu.strategies import strategy_class
@@ -63,8 +63,9 @@ def run_context(
         cpu_collectives=host_collectives,
     )
     try:
-        # Before any log file: every rank exits 2 if rank 0 found OUT_DIR in use.
-        agree_out_dir_free()
+        # Before any log file: every rank exits 2 if rank 0 refused an input
+        # it checks alone (OUT_DIR in use, the data).
+        agree_inputs_usable()
         setup_logging(cfg.OUT_DIR if log_files else None, info.rank)
         if device.type == "cuda":
             set_cudnn_flags(cfg.CUDNN.BENCHMARK, cfg.CUDNN.DETERMINISTIC)

@@ -8,8 +8,10 @@ never followed; and on 4 ranks only rank 0 lists the folder.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -18,14 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from helpers import run_on_ranks, run_parts
+from helpers import import_train_net, run_on_ranks, run_parts
 
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_dataset, check_data
 from distribuuuu.data import datasets as ds
 from distribuuuu.data import folder_index as fi
+from distribuuuu.dist import refusal
+from distribuuuu.engine import run_lock
 from distribuuuu.engine.specs import data_spec
-from distribuuuu.errors import DataError
+from distribuuuu.errors import DataError, DeferredRefusalError
 from distribuuuu.tools.train_net import main as train_net_main
 
 KEY = "TRAIN.DATASET/TRAIN.SPLIT"
@@ -271,17 +275,38 @@ def _listing_hash(listing) -> str:
     return hashlib.sha256(text).hexdigest()
 
 
+def _start_args(root: str, split: str, cache: str, out: str) -> list[str]:
+    """train_net.py's arguments of a training run on ``split`` of ``root``."""
+    args = ["MODEL.ARCH", "lenet5", "DATA.NAME", "imagefolder", "TRAIN.DATASET"]
+    args += [root, "TRAIN.SPLIT", split, "TEST.DATASET", root, "TEST.SPLIT", split]
+    args += ["MODEL.NUM_CLASSES", "5", "TRAIN.BATCH_SIZE", "2", "TRAIN.WORKERS"]
+    return [*args, "0", "DATA.INDEX_CACHE", cache, "OUT_DIR", out]
+
+
 def _on_four_ranks(rank: int, world: int, split: str, empty: str, cache: str):
-    """Each rank's scandir calls and listing: with no index, with its index,
-    after rank 0 changed a folder three levels down, and on a split with an
-    empty class (every rank raises rank 0's error)."""
+    """Each rank's scandir calls and listing: on a first start (pre-flight
+    as torchrun's rank, then the listing; no index yet), with its index,
+    after rank 0 changed a folder three levels down, on a split with an
+    empty class (every rank raises rank 0's error), and the exit code and
+    stderr of train_net.py on that split, refused by rank 0's pre-flight."""
     scandirs = Scandirs()
     os.scandir = scandirs  # type: ignore[assignment]  # this process only
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # as torchrun starts its ranks
+    refusal.RANK_ZERO_FIRST_S = 0  # no launcher here to stop rank 0 early
+    tool, root = import_train_net(), os.path.dirname(split)
 
     def listed() -> dict:
         before = scandirs.calls
         listing = fi.shared_listing(split, KEY, cache)
         return {"scandirs": scandirs.calls - before, "hash": _listing_hash(listing)}
+
+    def first_start() -> dict:
+        args = _start_args(root, "train", cache, os.path.join(root, "run"))
+        tool.load_and_check(tool.parse_args(args))
+        refusal.agree_inputs_usable()
+        run_lock.release_out_dir_locks()
+        return {"preflight": scandirs.calls, **listed()}
 
     def changed() -> dict:
         if rank == 0:
@@ -296,9 +321,20 @@ def _on_four_ranks(rank: int, world: int, split: str, empty: str, cache: str):
             return str(error)
         return "no error"
 
-    return run_parts(
-        {"first": listed, "cached": listed, "changed": changed, "empty": refused}
-    )
+    def refused_start() -> dict:
+        before, err = scandirs.calls, io.StringIO()
+        args = _start_args(root, "empty", cache, os.path.join(root, "refused"))
+        with contextlib.redirect_stderr(err):
+            code = tool.main(args)
+        return {
+            "code": code,
+            "stderr": err.getvalue(),
+            "scandirs": scandirs.calls - before,
+        }
+
+    parts = {"first": first_start, "cached": listed, "changed": changed}
+    parts.update({"empty": refused, "refused start": refused_start})
+    return run_parts(parts)
 
 
 @pytest.fixture(scope="module")
@@ -322,9 +358,10 @@ def _part(ranks: list[dict], name: str) -> list:
 @pytest.mark.distributed
 def test_one_rank_lists_the_folder_for_four(four_ranks):
     """Rank 0 lists the split once; ranks 1-3 call scandir never, with or
-    without an index, and all get the walk's listing."""
+    without an index, in pre-flight neither, and all get the walk's listing."""
     ranks, split = four_ranks
     first, cached = _part(ranks, "first"), _part(ranks, "cached")
+    assert first[0]["preflight"] > 0 and [r["preflight"] for r in first[1:]] == [0] * 3
     assert first[0]["scandirs"] > 0 and cached[0]["scandirs"] == 0
     assert [r["scandirs"] for r in first[1:] + cached[1:]] == [0] * 6
     before = {r["hash"] for r in first + cached}
@@ -342,3 +379,51 @@ def test_rank_zeros_data_error_stops_every_rank(four_ranks):
     """An empty class folder: every rank raises rank 0's error at once."""
     errors = _part(four_ranks[0], "empty")
     assert len(set(errors)) == 1 and "empty class folder" in errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_rank_zeros_preflight_refusal_exits_2_on_every_rank(four_ranks):
+    """An empty class folder found by rank 0's pre-flight alone: every rank
+    exits 2 once they joined the group, rank 0 says why in one line, the
+    others say nothing and list nothing, and no OUT_DIR is left behind."""
+    ranks, split = four_ranks
+    starts = _part(ranks, "refused start")
+    assert [start["code"] for start in starts] == [2] * 4, starts
+    lines = starts[0]["stderr"].splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "empty class folder" in lines[0]
+    assert [start["stderr"] for start in starts[1:]] == [""] * 3
+    assert [start["scandirs"] for start in starts[1:]] == [0] * 3
+    assert not (split.parent / "refused").exists()
+    assert (split.parent / "run").is_dir()  # the first start's, accepted
+
+
+def test_rank_zero_keeps_its_data_refusal_for_the_group(tmp_path, monkeypatch):
+    """Rank 0 of a launched job keeps an empty class folder's refusal past
+    pre-flight and raises it at the agreement, after removing the OUT_DIR
+    its checks made; a later refusal of its own (TRAIN.AUTO_RESUME False
+    over an earlier run) gives way to it, as in one process."""
+    split = make_tree(tmp_path / "data")
+    (split.parent / "empty" / "only").mkdir(parents=True)
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    env.update(LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    tool, root = import_train_net(), str(split.parent)
+    fresh, earlier = tmp_path / "fresh" / "out", tmp_path / "earlier"
+    (earlier / "best.pth").parent.mkdir()
+    (earlier / "best.pth").write_bytes(b"an earlier run's")
+    try:
+        args = _start_args(root, "empty", "none", str(earlier))
+        with pytest.raises(DeferredRefusalError, match="empty class folder"):
+            tool.load_and_check(tool.parse_args([*args, "TRAIN.AUTO_RESUME", "False"]))
+        assert sorted(os.listdir(earlier)) == ["best.pth"]
+        refusal.forget_refusal()  # that process has exited 2
+        tool.load_and_check(tool.parse_args(_start_args(root, "empty", "", str(fresh))))
+        assert (fresh / ".lock").is_file()
+        with pytest.raises(DeferredRefusalError, match="empty class folder"):
+            refusal.agree_inputs_usable()
+        assert not (tmp_path / "fresh").exists()
+    finally:
+        run_lock.release_out_dir_locks()

@@ -27,8 +27,7 @@ from helpers import (
     start,
 )
 
-from distribuuuu import preflight
-from distribuuuu.engine import run_lock, trainer
+from distribuuuu.engine import out_dir, run_lock, trainer
 from distribuuuu.errors import ConfigError
 
 # A live run, as far as the lock can tell: takes OUT_DIR's lock, says so, sleeps.
@@ -180,17 +179,17 @@ def test_a_dry_run_proves_a_missing_out_dir_creatable_without_creating_it(
     # probe was in it at that moment: a dry run creates no folder at all.
     out = tmp_path / "run" / "out"
     probed = []
-    write_probe = preflight._write_probe
+    write_probe = out_dir._write_probe
 
     def probe(directory):
         probed.append((directory, out.parent.exists()))
         write_probe(directory)
 
-    monkeypatch.setattr(preflight, "_write_probe", probe)
-    preflight.check_out_dir(str(out), keep=False)
+    monkeypatch.setattr(out_dir, "_write_probe", probe)
+    out_dir.check_out_dir(str(out), keep=False)
     assert probed == [(str(tmp_path), False)]
     assert os.listdir(tmp_path) == []
-    preflight.check_out_dir(str(out), keep=True)
+    out_dir.check_out_dir(str(out), keep=True)
     assert probed[-1] == (str(out), True) and out.is_dir()
 
 
@@ -218,7 +217,7 @@ def test_out_dir_resolving_to_the_root_is_refused(path, tmp_path):
         path = str(tmp_path / "link")
         os.symlink("/", path)
     with pytest.raises(ConfigError, match="is the root of the file system"):
-        preflight.check_out_dir_path(path)
+        out_dir.check_out_dir_path(path)
 
 
 def launched_rank(rank: int, port: int, out: Path) -> subprocess.Popen:
