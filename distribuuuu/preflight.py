@@ -138,8 +138,7 @@ def check_layout(cfg: CfgNode, world_size: int) -> None:
 
 
 def check_strategy(cfg: CfgNode) -> None:
-    """Refuse what the chosen strategy (and tensor parallelism) does not
-    take, as its class declares it; raise ConfigError."""
+    """ConfigError for what the strategy (and tensor parallelism) refuses."""
     from distribuuuu.config.keys import get_key
     from distribuuuu.engine.specs import strategy_spec
     from distribuuuu.strategies import spec as features
@@ -152,6 +151,7 @@ def check_strategy(cfg: CfgNode) -> None:
         features.EMA: ("MODEL.EMA", bool),
         features.FP16: ("TRAIN.MIXED_PRECISION", lambda value: value == "fp16"),
         features.DISTILLATION: ("TRAIN.DISTILL.ARCH", bool),
+        features.MICRO_BATCH_AUTO: ("TRAIN.MICRO_BATCH", lambda value: value == "auto"),
     }
     turned_on = {
         feature: (key, get_key(cfg, key))

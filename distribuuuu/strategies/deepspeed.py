@@ -63,6 +63,7 @@ from distribuuuu.strategies.spec import (
 )
 from distribuuuu.strategies.spec import (
     FP16,
+    MICRO_BATCH_AUTO,
     PRECISE_BN,
     SYNCBN,
     StrategySpec,
@@ -158,7 +159,10 @@ class DeepSpeedStrategy(Strategy):
     contiguous_only = "ZeRO flattens the parameters"
     refused = {
         FP16: "DIST.STRATEGY deepspeed (under autocast, DeepSpeed 0.19's ZeRO "
-        "skips steps on loss-scaled gradients, never lowering the scale); use bf16"
+        "skips steps on loss-scaled gradients, never lowering the scale); use bf16",
+        MICRO_BATCH_AUTO: "DIST.STRATEGY deepspeed (its engine owns the "
+        "micro-batch and the step, collectives included); lower TRAIN.BATCH_SIZE "
+        "and raise TRAIN.ACCUM_STEPS yourself",
     }
     # What stage 3's partitioned parameters do not support.
     refused_by_stage_3 = dict.fromkeys(
