@@ -39,6 +39,7 @@ from distribuuuu.errors import (
     OnnxError,
     OutputPathError,
     PeerLostError,
+    StepOutOfMemoryError,
 )
 
 # Errors whose message is written for users: shown without their type name.
@@ -49,8 +50,10 @@ _PLAIN_ERRORS = {
     "DistributedSetupError",
     "FileNotFoundError",
     "LoaderTimeoutError",
+    "NoMicroBatchFitsError",
     "NonFiniteError",
     "PeerLostError",
+    "StepOutOfMemoryError",
 }
 _TYPE_NAME = re.compile(r"^[A-Za-z_][\w.]*$")
 # The longest error line printed: a message that quotes a huge value (a list of
@@ -272,8 +275,9 @@ def train_run_rules(
 ) -> tuple[ErrorExit, ...]:
     """train_net.py during the run: every failure exits 1 (a stop 128+N).
 
-    A failed setup or a lost peer is reported by every rank, a failed
-    ``--num-procs`` process by the number of the process.
+    A failed setup, a lost peer or a step out of memory is reported by every
+    rank that met it, a failed ``--num-procs`` process by the number of the
+    process.
     """
     import torch.multiprocessing as mp
 
@@ -288,7 +292,11 @@ def train_run_rules(
             lambda stop: 128 + stop.signum,
             lambda stop: stop.message(eval_only, dry_run),
         ),
-        ErrorExit((DistributedSetupError, PeerLostError), EXIT_FAILED, every_rank=True),
+        ErrorExit(
+            (DistributedSetupError, PeerLostError, StepOutOfMemoryError),
+            EXIT_FAILED,
+            every_rank=True,
+        ),
         ErrorExit(mp.ProcessRaisedException, EXIT_FAILED, process_failed),
         ErrorExit(
             mp.ProcessExitedException,

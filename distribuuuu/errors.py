@@ -90,6 +90,17 @@ class DiskFullError(RuntimeError):
     """No space left while writing a file; the message names it."""
 
 
+class NoMicroBatchFitsError(RuntimeError):
+    """TRAIN.MICRO_BATCH auto's probe ran out of memory at a micro-batch of 1
+    on some rank: the model does not fit, however the batch is split."""
+
+
+class StepOutOfMemoryError(RuntimeError):
+    """A training step ran out of device memory on this rank, which stops
+    at once (its peers may wait in a collective it will never join); only
+    this rank knows, so it says it itself."""
+
+
 class NonFiniteError(RuntimeError):
     """The training loss or the weights became NaN or infinite; the run stops
     and nothing non-finite is saved."""

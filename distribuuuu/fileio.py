@@ -1,5 +1,6 @@
 """Writing files so that a crash, a signal or a full disk never leaves a
-partial one, and never through a link or over a device.
+partial one, and never through a link or over a device; reading a small
+record file that anyone could have put there.
 
 Below everything else: the config's ``dump_cfg`` and the checkpoint files
 both write through :func:`atomic_write`. Nothing here imports torch.
@@ -101,3 +102,20 @@ def atomic_write(path: str, write: Callable[[Any], Any]) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
     fsync_dir(directory)
+
+
+def read_small_file(path: str, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes`` of them:
+    never through a link, never waiting on a FIFO.  OSError when it cannot be
+    opened, ValueError when it is no regular file or is larger."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        data = os.read(fd, max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
+    return data

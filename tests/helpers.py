@@ -196,13 +196,15 @@ def train_net(*args: str, timeout: float = 300, env: dict | None = None):
     return run_python([TRAIN_NET, *args], timeout=timeout, env=env)
 
 
-def torchrun_argv(nproc: int, args: list[str], *options: str) -> list[str]:
+def torchrun_argv(
+    nproc: int, args: list[str], *options: str, script: str = TRAIN_NET
+) -> list[str]:
     """``-m torch.distributed.run --standalone --nproc_per_node=N OPTIONS
-    tools/train_net.py ARGS``, whose workers are forked from the zygote where
-    it can run them."""
+    tools/train_net.py ARGS`` (or another ``script``), whose workers are forked
+    from the zygote where it can run them."""
     argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     workers = ["--no-python", *the_zygote().worker_command()]
-    return [*argv, *options, *workers, TRAIN_NET, *args]
+    return [*argv, *options, *workers, script, *args]
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300):

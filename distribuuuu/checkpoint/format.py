@@ -122,6 +122,14 @@ class SavedRun:
         states = self.state["rng"]
         return states[rank] if len(states) == world_size else None
 
+    def restore_rng(
+        self, rank: int, world_size: int, devices: Sequence[torch.device]
+    ) -> None:
+        """Put back rank ``rank``'s RNG state on ``devices``, if it has one."""
+        rng = self.rng_of(rank, world_size)
+        if rng is not None:
+            restore_rng_state(rng, devices)
+
     @property
     def is_sharded(self) -> bool:
         return is_sharded_checkpoint(self.state)

@@ -43,6 +43,7 @@ from distribuuuu.config.loading import (
     merge_cfg,
     merge_from_file,
     merge_from_list,
+    merge_resolved,
     parse_yaml,
 )
 from distribuuuu.config.reference import describe_keys, format_config_reference
@@ -77,6 +78,7 @@ __all__ = [
     "merge_cfg",
     "merge_from_file",
     "merge_from_list",
+    "merge_resolved",
     "parse_yaml",
     "resolve_data_name",
     "validate_cfg",

@@ -194,6 +194,12 @@ _C.TRAIN.PIN_MEMORY = True
 # Micro-batches of TRAIN.BATCH_SIZE per optimizer step (gradient accumulation);
 # the global batch is BATCH_SIZE x ACCUM_STEPS x world size
 _C.TRAIN.ACCUM_STEPS = 1
+# off | auto: before a new run every rank tries one step at TRAIN.BATCH_SIZE;
+# while any runs out of memory all halve it (rounding up) and multiply
+# TRAIN.ACCUM_STEPS, keeping the global batch; config.yaml and the checkpoint
+# record the split, and a step out of memory later leaves the next smaller one
+# in OUT_DIR/micro_batch.json for the rerun (ddp on one device per process)
+_C.TRAIN.MICRO_BATCH = "off"
 # Autocast precision: auto | none | bf16 | fp16 (fp16 scales the loss with a
 # GradScaler on CUDA and falls back to bf16 on CPU). auto resolves at start-up
 # (logged, and saved so in OUT_DIR/config.yaml): bf16 on CUDA GPUs of compute

@@ -75,6 +75,7 @@ CHOICES: dict[str, tuple] = {
     "DIST.DEEPSPEED.OFFLOAD_PARAMS": OFFLOADS,
     "TRAIN.MIXED_PRECISION": PRECISIONS,
     "TRAIN.RESUME_BATCH": ("global", "per_rank"),
+    "TRAIN.MICRO_BATCH": ("off", "auto"),
     "DEVICE": DEVICES,
     "LOG.WANDB.MODE": ("", "online", "offline", "disabled"),
 }

@@ -290,6 +290,22 @@ def merge_from_list(cfg: CfgNode, opts: list[str]) -> None:
         _set_key(cfg, key, value, "")
 
 
+def merge_resolved(cfg: CfgNode, keys: dict[str, Any]) -> None:
+    """Write values the run resolved at start-up (``keys``: dotted key ->
+    value) into ``cfg``, frozen or not, so that config.yaml records them.
+
+    Each goes through the command line's parsing and checks; ConfigError or
+    ValueError for a value that does not fit its key.
+    """
+    frozen = cfg.is_frozen()
+    cfg.defrost()
+    try:
+        merge_from_list(cfg, [str(x) for pair in keys.items() for x in pair])
+    finally:
+        if frozen:
+            cfg.freeze()
+
+
 def _default_or_none(key: str) -> Any:
     """The default of ``key`` (or of the key it was renamed to); None if unknown."""
     try:

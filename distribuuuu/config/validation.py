@@ -115,6 +115,28 @@ def _validate_dist(cfg: CfgNode) -> None:
     )
 
 
+def _validate_micro_batch(cfg: CfgNode) -> None:
+    """TRAIN.MICRO_BATCH auto: each rank probes a step alone, so nothing in
+    the step may be a collective (SyncBN), and the planner, which chooses the
+    micro-batch itself, is not asked as well."""
+    if cfg.TRAIN.MICRO_BATCH != "auto":
+        return
+    _check(
+        cfg.DIST.STRATEGY != "auto",
+        "TRAIN.MICRO_BATCH",
+        "auto",
+        "cannot be combined with DIST.STRATEGY auto, whose planner chooses "
+        "TRAIN.BATCH_SIZE and TRAIN.ACCUM_STEPS itself; use one or the other",
+    )
+    _check(
+        not cfg.MODEL.SYNCBN,
+        "TRAIN.MICRO_BATCH",
+        "auto",
+        "cannot be combined with MODEL.SYNCBN: each rank probes a step on its "
+        "own, and a synchronized BatchNorm would wait for the others",
+    )
+
+
 def _validate_test(cfg: CfgNode) -> None:
     """TEST: the evaluation resize holds the evaluation crop."""
     crop = cfg.TEST.CROP_SIZE or cfg.TRAIN.IM_SIZE
@@ -301,6 +323,7 @@ def validate_cfg(cfg: CfgNode) -> None:
     _validate_values(cfg)
     _validate_optim(cfg)
     _validate_dist(cfg)
+    _validate_micro_batch(cfg)
     _validate_test(cfg)
     _validate_model(cfg)
     _validate_distill(cfg)

@@ -26,6 +26,7 @@ from distribuuuu.engine.losses import (
     build_train_loss,
     mix_seed,
 )
+from distribuuuu.engine.micro_batch import step_out_of_memory
 from distribuuuu.engine.profiling import ProfileSpec, StepProfiler
 from distribuuuu.engine.run_log import LogSpec, TrainStatus, log_train_window
 from distribuuuu.engine.state import TrainState
@@ -49,6 +50,9 @@ class LoopSpec:
     log: LogSpec
     print_freq: int = 10  # TRAIN.PRINT_FREQ: log every this many steps
     profile: ProfileSpec | None = None  # TRAIN.PROFILE_STEPS; None: off
+    # TRAIN.MICRO_BATCH auto: OUT_DIR, where a step out of memory leaves the
+    # next smaller split for the rerun; "": off
+    micro_batch_dir: str = ""
 
 
 def train_epoch(
@@ -62,7 +66,8 @@ def train_epoch(
     The learning rate is set before every step.  Micro-batches that cannot
     fill a whole step at the end of the epoch are skipped.
     ``progress.consumed`` advances with every step, so a checkpoint taken in
-    ``after_step`` resumes at the next unseen batch.
+    ``after_step`` resumes at the next unseen batch.  A step that runs out of
+    device memory stops this rank with StepOutOfMemoryError, at once.
     """
     progress, plan = state.progress, state.plan
     state.model.train()
@@ -82,8 +87,12 @@ def train_epoch(
             lr = set_step_lr(spec.schedule, state, step / total)
             # A step that prints: the strategy measures the gradients' norm.
             state.norm_wanted = (step + 1) % spec.print_freq == 0 or step + 1 == total
-            with profiler.step() if profiler else nullcontext():
-                window.took(train_step(state, batches, meter, loss_fn, window.compute))
+            try:
+                with profiler.step() if profiler else nullcontext():
+                    seconds = train_step(state, batches, meter, loss_fn, window.compute)
+            except torch.OutOfMemoryError as error:  # no collective from here on
+                raise step_out_of_memory(plan, spec.micro_batch_dir) from error
+            window.took(seconds)
             progress.consumed += plan.global_batch
             state.clock.step()
             if state.norm_wanted:
@@ -322,14 +331,17 @@ class StopRequest:
         self.stopping = self.stopping or bool(agreed)
         return agreed
 
-    def restore(self) -> None:
+    def restore(self, failed: bool = False) -> None:
         """Put the previous signal handlers back, unless the run stops: then
         more of these signals (srun sends SIGTERM to every task once the first
-        one exits) are only recorded until the process exits 128+N."""
+        one exits) are only recorded until the process exits 128+N.  A run
+        that ``failed`` gets their default action instead: the launcher's
+        SIGTERM, once another rank failed, ends this one without a word (the
+        failed rank said why; this one may still wait on it)."""
         if self.stopping:
             return
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_DFL if failed else handler)
 
 
 def end_stopped_run(signum: int, requeue: bool) -> dict:

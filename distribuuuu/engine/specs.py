@@ -27,6 +27,7 @@ from distribuuuu.data.transforms import CROP_MODES
 from distribuuuu.engine.evaluation import EvalSpec, strategy_eval
 from distribuuuu.engine.loop import LoopSpec
 from distribuuuu.engine.losses import Distillation, LossSpec
+from distribuuuu.engine.micro_batch import MicroBatchSpec
 from distribuuuu.engine.profiling import ProfileSpec
 from distribuuuu.engine.resume import ResumeSpec, SaveSpec
 from distribuuuu.engine.run_log import LogSpec
@@ -140,7 +141,7 @@ def log_spec(cfg: CfgNode) -> LogSpec:
 
 def loop_spec(cfg: CfgNode) -> LoopSpec:
     """What the training loop reads: OPTIM's schedule, the loss, the log
-    lines, TRAIN.PRINT_FREQ and TRAIN.PROFILE_STEPS."""
+    lines, TRAIN.PRINT_FREQ, TRAIN.PROFILE_STEPS and TRAIN.MICRO_BATCH."""
     profile = None
     if cfg.TRAIN.PROFILE_STEPS > 0:
         profile = ProfileSpec(steps=cfg.TRAIN.PROFILE_STEPS, out_dir=cfg.OUT_DIR)
@@ -150,7 +151,16 @@ def loop_spec(cfg: CfgNode) -> LoopSpec:
         log=log_spec(cfg),
         print_freq=cfg.TRAIN.PRINT_FREQ,
         profile=profile,
+        micro_batch_dir=cfg.OUT_DIR if cfg.TRAIN.MICRO_BATCH == "auto" else "",
     )
+
+
+def micro_batch_spec(cfg: CfgNode) -> MicroBatchSpec | None:
+    """What TRAIN.MICRO_BATCH auto reads (TRAIN.IM_SIZE, MODEL.NUM_CLASSES,
+    OUT_DIR); None when it is off."""
+    if cfg.TRAIN.MICRO_BATCH != "auto":
+        return None
+    return MicroBatchSpec(cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, cfg.OUT_DIR)
 
 
 def save_spec(cfg: CfgNode, precision: str | None = None) -> SaveSpec:
@@ -429,6 +439,7 @@ SWITCHES = {
     features.FP16: ("TRAIN.MIXED_PRECISION", lambda value: value == "fp16"),
     features.DISTILLATION: ("TRAIN.DISTILL.ARCH", bool),
     features.ASYNC_CHECKPOINT: ("CHECKPOINT.ASYNC", bool),
+    features.MICRO_BATCH_AUTO: ("TRAIN.MICRO_BATCH", lambda value: value == "auto"),
 }
 
 

@@ -65,6 +65,16 @@ class BatchPlan:
             "lr_scale": self.lr_scale,
         }
 
+    def check_fits(self, loader_batches: int, images: int) -> None:
+        """Refuse a step larger than the ``loader_batches`` micro-batches (of
+        the ``images`` training images) each process gets."""
+        if loader_batches < self.accum:
+            raise ValueError(
+                f"a batch of {self.per_rank} x {self.accum} accumulation steps is "
+                f"larger than the {images} training images each of the "
+                f"{self.world_size} processes gets; lower TRAIN.BATCH_SIZE"
+            )
+
     @classmethod
     def of(cls, saved: dict) -> BatchPlan:
         """The plan of a checkpoint (:attr:`SavedRun.plan`)."""

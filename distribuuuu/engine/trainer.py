@@ -19,8 +19,8 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
-from distribuuuu.checkpoint.format import SavedRun, restore_rng_state
-from distribuuuu.config import dump_cfg
+from distribuuuu.checkpoint.format import SavedRun
+from distribuuuu.config import dump_cfg, merge_resolved
 from distribuuuu.data import (
     ImageDataset,
     build_dataset,
@@ -35,6 +35,7 @@ from distribuuuu.engine import specs
 from distribuuuu.engine.best import keep_best
 from distribuuuu.engine.evaluation import evaluate, evaluate_epoch, weights_to_evaluate
 from distribuuuu.engine.loop import StopRequest, end_stopped_run, train_epoch
+from distribuuuu.engine.micro_batch import MicroBatchFit, split_keys
 from distribuuuu.engine.resume import resume_or_load, save_training_checkpoint
 from distribuuuu.engine.run_log import (
     log_checkpoint_evaluation,
@@ -86,6 +87,8 @@ def train_model(cfg: CfgNode) -> dict:
             state, train_loader, val_loader = build_train_state(
                 cfg, info, device, writer, check
             )
+            if info.rank == 0 and cfg.TRAIN.MICRO_BATCH == "auto":  # its split
+                writer.wrote_file(write_run_config(cfg, device, info.world_size))
             train_loader = watchdog.watch(train_loader, "train")
             val_loader = watchdog.watch(val_loader, "eval")
             stop = StopRequest(cfg.DIST.STOP_CHECK_STEPS)
@@ -101,7 +104,7 @@ def train_model(cfg: CfgNode) -> dict:
                 status = KILLED
                 raise
             finally:
-                stop.restore()
+                stop.restore(failed=status == FAILED)
         finally:
             if check:
                 check.close()
@@ -179,13 +182,15 @@ def dry_steps(
     return check.steps if check else 1
 
 
-def write_run_config(cfg: CfgNode, device: torch.device, world_size: int) -> None:
+def write_run_config(cfg: CfgNode, device: torch.device, world_size: int) -> str:
     """Rank 0's record of the run beside its outputs: config.yaml (with the
-    precision ``auto`` resolved to) and the strategy's own config files."""
+    precision ``auto`` resolved to) and the strategy's own config files; the
+    path of config.yaml."""
     precision = specs.run_precision(cfg, device)
-    dump_cfg(cfg, text=specs.config_dump(cfg, precision))
+    path = dump_cfg(cfg, text=specs.config_dump(cfg, precision))
     spec = specs.strategy_spec(cfg, device, precision=precision)
     strategy_class(spec.name).write_config(spec, world_size, cfg.OUT_DIR)
+    return path
 
 
 def build_train_state(
@@ -217,11 +222,12 @@ def build_train_state(
     progress.seed = seed if saved is None else progress.seed
     writer.start({} if saved is None else saved.tracker_runs)
     replica, replicas = strategy.data_parallel()
-    plan = run_batch_plan(cfg, replicas, saved)
+    plan = run_batch_plan(cfg, replicas, saved, (strategy, model, optimizer))
     train_loader, val_loader = build_loaders(
         cfg, (train_set, val_set), plan, replica, seed=progress.seed, device=device
     )
-    restore_saved_rng(saved, info, strategy.devices(model))
+    if saved is not None:
+        saved.restore_rng(info.rank, info.world_size, strategy.devices(model))
     state = TrainState(
         strategy=strategy,
         model=model,
@@ -279,21 +285,21 @@ def flop_meter(
     return FlopMeter(specs.model_spec(cfg), cfg.TRAIN.IM_SIZE, devices, amp_dtype, peak)
 
 
-def run_batch_plan(cfg: CfgNode, replicas: int, saved: SavedRun | None) -> BatchPlan:
+def run_batch_plan(
+    cfg: CfgNode, replicas: int, saved: SavedRun | None, trained: tuple = ()
+) -> BatchPlan:
     """The batch plan on ``replicas`` data-parallel replicas (the processes of
-    a pipeline share their batches), continuing ``saved``'s when resuming."""
+    a pipeline share their batches), continuing ``saved``'s when resuming;
+    TRAIN.MICRO_BATCH auto's on the ``trained`` strategy, model and optimizer
+    (every rank), written into the config."""
     saved_plan = None if saved is None else BatchPlan.of(saved.plan)
-    asked = specs.batch_spec(cfg, replicas)
-    return plan_batches(asked, saved_plan, resume_batch=cfg.TRAIN.RESUME_BATCH)
-
-
-def restore_saved_rng(
-    saved: SavedRun | None, info: du.LaunchInfo, devices: list[torch.device]
-) -> None:
-    """Put back this rank's RNG state from the checkpoint resumed, if it has one."""
-    rng = None if saved is None else saved.rng_of(info.rank, info.world_size)
-    if rng is not None:
-        restore_rng_state(rng, devices)
+    asked, resume_batch = specs.batch_spec(cfg, replicas), cfg.TRAIN.RESUME_BATCH
+    spec = specs.micro_batch_spec(cfg)
+    if spec is None:
+        return plan_batches(asked, saved_plan, resume_batch=resume_batch)
+    plan = MicroBatchFit(spec, *trained).plan(asked, saved_plan, resume_batch)
+    merge_resolved(cfg, split_keys(plan))
+    return plan
 
 
 def build_ema(cfg: CfgNode, model: nn.Module) -> ModelEma | None:
@@ -338,7 +344,7 @@ def build_loaders(
     (of ``plan.world_size``); the training loader checked against ``plan``."""
     loaders = specs.loader_spec(cfg)
     train_set, val_set = datasets
-    train_loader = build_train_loader(
+    train_loader: Loader = build_train_loader(
         loaders,
         train_set,
         rank=replica,
@@ -347,19 +353,9 @@ def build_loaders(
         device=device,
         batch_size=plan.per_rank,
     )
-    check_loader(train_loader, plan)
+    plan.check_fits(len(train_loader), len(train_loader.sampler))
     val_loader = build_test_loader(loaders, val_set, replica, plan.world_size, device)
     return train_loader, val_loader
-
-
-def check_loader(loader: Loader, plan) -> None:
-    """Refuse a step larger than the training images each process gets."""
-    if len(loader) < plan.accum:
-        raise ValueError(
-            f"a batch of {plan.per_rank} x {plan.accum} accumulation steps is "
-            f"larger than the {len(loader.sampler)} training images each of the "
-            f"{plan.world_size} processes gets; lower TRAIN.BATCH_SIZE"
-        )
 
 
 def train_epochs(

@@ -27,7 +27,6 @@ import json
 import logging
 import multiprocessing
 import os
-import stat
 import statistics
 import time
 from typing import Any
@@ -37,11 +36,11 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
-from distribuuuu.config.loading import merge_from_list
+from distribuuuu.config.loading import merge_resolved
 from distribuuuu.dist import group as du
 from distribuuuu.engine.specs import AUTO_STRATEGY, model_spec
 from distribuuuu.errors import ConfigError
-from distribuuuu.fileio import atomic_write
+from distribuuuu.fileio import atomic_write, read_small_file
 from distribuuuu.models import build_configured
 from distribuuuu.plan.calibrate import Calibration, calibrate
 from distribuuuu.plan.candidate import OFFLOAD_ALL, OFFLOAD_NONE, Candidate
@@ -209,16 +208,7 @@ def plan_here(cfg: CfgNode, info: du.LaunchInfo, device: torch.device) -> Planne
 def _read_record(path: str) -> dict:
     """``plan.json``, a regular file of at most MAX_RECORD_BYTES (never
     waiting on a pipe, never following a link); ValueError otherwise."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(path, flags)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file")
-        data = os.read(fd, MAX_RECORD_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_RECORD_BYTES:
-        raise ValueError(f"larger than {MAX_RECORD_BYTES >> 10} KiB")
+    data = read_small_file(path, MAX_RECORD_BYTES)
     record = json.loads(data)
     if not isinstance(record, dict) or not isinstance(record.get("keys"), dict):
         raise ValueError("no 'keys' object")
@@ -271,15 +261,10 @@ def resolve(
     tic = time.perf_counter()
     resumed = _will_resume(cfg)
     planned = recorded_plan(cfg.OUT_DIR) if resumed else plan_here(cfg, info, device)
-    frozen = cfg.is_frozen()
-    cfg.defrost()
     try:
-        merge_from_list(cfg, [str(x) for pair in planned.keys.items() for x in pair])
+        merge_resolved(cfg, planned.keys)
     except (ConfigError, ValueError) as error:
         raise ConfigError(f"DIST.STRATEGY auto: {error}") from None
-    finally:
-        if frozen:
-            cfg.freeze()
     logger.info(
         "DIST.STRATEGY auto ran %s in %.1f s: %s",
         "nothing (resumed)" if resumed else "the planner",

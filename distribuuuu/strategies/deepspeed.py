@@ -61,6 +61,7 @@ from distribuuuu.strategies.registry import register
 from distribuuuu.strategies.spec import (
     ASYNC_CHECKPOINT,
     FP16,
+    MICRO_BATCH_AUTO,
     PRECISE_BN,
     SYNCBN,
     StrategySpec,
@@ -164,6 +165,9 @@ class DeepSpeedStrategy(Strategy):
         "files, and its background engines (the decoupled and fast ones, built "
         "on DeepNVMe's CUDA I/O) commit them in a process of their own, with no "
         "point at which every rank's files are known complete",
+        MICRO_BATCH_AUTO: "DIST.STRATEGY deepspeed (its engine owns the "
+        "micro-batch and the step, collectives included); lower TRAIN.BATCH_SIZE "
+        "and raise TRAIN.ACCUM_STEPS yourself",
     }
     # What stage 3's partitioned parameters do not support.
     refused_by_stage_3 = dict.fromkeys(

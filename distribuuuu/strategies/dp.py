@@ -15,6 +15,7 @@ from torch import nn
 from distribuuuu.dist import group as du
 from distribuuuu.strategies.base import Strategy, check_current_device
 from distribuuuu.strategies.registry import register
+from distribuuuu.strategies.spec import MICRO_BATCH_AUTO
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,10 @@ class DataParallelStrategy(Strategy):
 
     name = "dp"
     one_device_per_process = False
+    refused = {
+        MICRO_BATCH_AUTO: "DIST.STRATEGY dp (DataParallel splits each batch over "
+        "the GPUs of one process; a step tried on one GPU would not be the run's)"
+    }
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         if du.get_world_size() > 1:

@@ -39,7 +39,7 @@ from distribuuuu.strategies.base import Strategy
 from distribuuuu.strategies.broadcast import broadcast_buffers, broadcast_model
 from distribuuuu.strategies.mesh import axis
 from distribuuuu.strategies.registry import register
-from distribuuuu.strategies.spec import FP16, SYNCBN, StrategySpec
+from distribuuuu.strategies.spec import FP16, MICRO_BATCH_AUTO, SYNCBN, StrategySpec
 
 if TYPE_CHECKING:  # imported for the annotations only
     from distribuuuu.models.ema import ModelEma
@@ -112,6 +112,8 @@ class FSDPStrategy(Strategy):
     refused = {
         SYNCBN: "DIST.STRATEGY fsdp",
         FP16: "DIST.STRATEGY fsdp; use bf16",
+        MICRO_BATCH_AUTO: "DIST.STRATEGY fsdp (its forward and backward gather "
+        "and scatter the shards: no rank can try a step alone)",
     }
 
     @classmethod

@@ -25,7 +25,7 @@ from distribuuuu.dist import group as du
 from distribuuuu.strategies.fsdp import FSDPStrategy
 from distribuuuu.strategies.mesh import ParallelDims
 from distribuuuu.strategies.registry import register
-from distribuuuu.strategies.spec import FP16, SYNCBN, StrategySpec
+from distribuuuu.strategies.spec import FP16, MICRO_BATCH_AUTO, SYNCBN, StrategySpec
 
 
 def shard_size(spec: StrategySpec) -> int:
@@ -45,6 +45,8 @@ class HSDPStrategy(FSDPStrategy):
     refused = {
         SYNCBN: "DIST.STRATEGY hsdp",
         FP16: "DIST.STRATEGY hsdp; use bf16",
+        MICRO_BATCH_AUTO: "DIST.STRATEGY hsdp (its forward and backward gather "
+        "and scatter the shards: no rank can try a step alone)",
     }
 
     @classmethod

@@ -75,6 +75,7 @@ from distribuuuu.strategies.spec import (
     DISTILLATION,
     FP16,
     LAYER_DECAY,
+    MICRO_BATCH_AUTO,
     PRECISE_BN,
     SYNCBN,
     PipelineSpec,
@@ -250,6 +251,9 @@ class PipelineStrategy(Strategy):
         "use bf16",
         DISTILLATION: f"{_NAMED} (its last stage, which computes the loss, never "
         "sees the images)",
+        MICRO_BATCH_AUTO: f"{_NAMED} (a step passes activations from stage to "
+        "stage: no rank can try one alone); size DIST.PIPELINE.MICROBATCHES and "
+        "TRAIN.ACCUM_STEPS yourself",
     }
 
     @classmethod

@@ -26,6 +26,8 @@ EMA = "ema"
 FP16 = "fp16"
 DISTILLATION = "distillation"
 ASYNC_CHECKPOINT = "async_checkpoint"
+# TRAIN.MICRO_BATCH auto: each rank tries a step alone, outside any collective.
+MICRO_BATCH_AUTO = "micro_batch_auto"
 
 
 def check_value(ok: bool, key: str, value: Any, allowed: str) -> None:

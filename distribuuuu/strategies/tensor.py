@@ -32,14 +32,18 @@ from distribuuuu.models.tensor_parallel import (
 )
 from distribuuuu.models.vit import split_qkv
 from distribuuuu.strategies.broadcast import broadcast_model
-from distribuuuu.strategies.spec import FP16, StrategySpec
+from distribuuuu.strategies.spec import FP16, MICRO_BATCH_AUTO, StrategySpec
 
 
 class TensorParallel:
     """The blocks of each replica split over the ``tp`` axis of the mesh."""
 
     # What tensor parallelism refuses, as a strategy declares it.
-    refused = {FP16: "DIST.TENSOR_PARALLEL; use bf16"}
+    refused = {
+        FP16: "DIST.TENSOR_PARALLEL; use bf16",
+        MICRO_BATCH_AUTO: "DIST.TENSOR_PARALLEL (the split blocks exchange "
+        "activations in every forward: no rank can try a step alone)",
+    }
 
     def __init__(self, spec: StrategySpec):
         self.size = spec.tensor_parallel

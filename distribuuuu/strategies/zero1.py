@@ -20,6 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from distribuuuu.dist import group as du
 from distribuuuu.strategies.ddp import DDPStrategy
 from distribuuuu.strategies.registry import register
+from distribuuuu.strategies.spec import MICRO_BATCH_AUTO
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,10 @@ class Zero1Strategy(DDPStrategy):
 
     name = "zero1"
     takes_tensor_parallel = False
+    refused = {
+        MICRO_BATCH_AUTO: "DIST.STRATEGY zero1 (its optimizer step broadcasts "
+        "each rank's share of the parameters: no rank can try a step alone)"
+    }
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return shard_optimizer(super().build_optimizer(model))
