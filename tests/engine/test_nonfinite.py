@@ -220,7 +220,7 @@ def test_nonfinite_weights_never_count_as_best(tmp_path):
         assert run.progress.best_top1 == 50.0
         assert best.read_bytes() == saved
         with pytest.raises(NonFiniteError, match="by the end of epoch 2"):
-            save_training_checkpoint(save, run)
+            save_training_checkpoint(save, run, cp.CheckpointWriter(str(tmp_path)))
     assert not (tmp_path / cp.CHECKPOINT_DIR).exists()
 
 
@@ -230,7 +230,7 @@ def test_a_nonfinite_ema_is_neither_best_nor_saved(tmp_path):
         _poison(next(iter(run.ema.tensors().values())), math.inf)
         assert all_finite(run.model.parameters())  # the raw weights are fine
         with pytest.raises(NonFiniteError, match="by epoch 1, iteration 2"):
-            save_training_checkpoint(save, run)
+            save_training_checkpoint(save, run, cp.CheckpointWriter(str(tmp_path)))
         run.progress.epoch = 1
         with run.ema.swapped_in(), pytest.raises(NonFiniteError, match="EMA"):
             keep_best(log, save, run, *_eval_stats(50.0), ema=True)
