@@ -28,6 +28,7 @@ from distribuuuu.data import (
     build_test_loader,
     build_train_loader,
 )
+from distribuuuu.data.labels import labels_only
 from distribuuuu.data.spec import Loader
 from distribuuuu.dist import group as du
 from distribuuuu.dist.watchdog import Watchdog
@@ -217,8 +218,9 @@ def build_train_state(
     writer.start({} if saved is None else saved.tracker_runs)
     replica, replicas = strategy.data_parallel()
     plan = run_batch_plan(cfg, replicas, saved)
+    sets, images = (train_set, val_set), strategy.reads_images(model)
     train_loader, val_loader = build_loaders(
-        cfg, (train_set, val_set), plan, replica, seed=progress.seed, device=device
+        cfg, sets, plan, replica, seed=progress.seed, device=device, images=images
     )
     restore_saved_rng(saved, info, strategy.devices(model))
     state = TrainState(
@@ -332,12 +334,13 @@ def build_loaders(
     replica: int,
     seed: int,
     device: torch.device,
+    images: bool = True,
 ) -> tuple[Loader, Loader]:
     """The training and validation loaders of the data-parallel ``replica``
     (of ``plan.world_size``); the training loader checked against ``plan``."""
     loaders = specs.loader_spec(cfg)
     train_set, val_set = datasets
-    train_loader = build_train_loader(
+    train_loader: Loader = build_train_loader(
         loaders,
         train_set,
         rank=replica,
@@ -346,6 +349,8 @@ def build_loaders(
         device=device,
         batch_size=plan.per_rank,
     )
+    if not images:  # a process that never reads them: a pipeline's later stage
+        train_loader = labels_only(train_loader, train_set, cfg.TRAIN.IM_SIZE)
     check_loader(train_loader, plan)
     val_loader = build_test_loader(loaders, val_set, replica, plan.world_size, device)
     return train_loader, val_loader
