@@ -109,11 +109,17 @@ class SyntheticDataset(Dataset):
         self._pool, self._labels = pool, labels
         return pool, labels
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def label_list(self) -> list[int]:
+        """Every image's label, as :meth:`__getitem__` serves it."""
+        return self._drawn()[1]
+
+    def _drawn(self) -> tuple[torch.Tensor, list[int]]:
         if self._pool is None or self._labels is None:
-            pool, labels = self._draw()
-        else:
-            pool, labels = self._pool, self._labels
+            return self._draw()
+        return self._pool, self._labels
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        pool, labels = self._drawn()
         count = 3 * self.im_size**2
         start = (index * 2_654_435_761) % (len(pool) - count + 1)
         image = pool[start : start + count].view(3, self.im_size, self.im_size).clone()

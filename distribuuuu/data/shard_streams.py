@@ -140,13 +140,13 @@ class TrainStream(IterableDataset):
             self._logged.add((epoch, start))
             self._log_plan()
 
-    def _done(self) -> int:
+    def done(self) -> int:
         """Batches of this process before ``start``."""
         return self.start // (self.batch_size * self.world_size)
 
     def __len__(self) -> int:
         """Samples this process takes in the rest of the epoch."""
-        return (self.batches - self._done()) * self.batch_size
+        return (self.batches - self.done()) * self.batch_size
 
     def _wanted(self, worker: int, batches: int) -> int:
         """Samples reader ``worker`` of this process serves in ``batches`` batches."""
@@ -165,7 +165,7 @@ class TrainStream(IterableDataset):
             wanted = self._wanted(reader % self.workers, self.batches)
             dropped += max(0, has - wanted)
             repeated += max(0, wanted - has)
-        where = f"after {self._done()} batches" if self.start else "from the start"
+        where = f"after {self.done()} batches" if self.start else "from the start"
         logger.info(
             "webdataset epoch %d: %d batches of %d samples on each of %d processes "
             "from %d shards, %d readers (processes x loader workers); %d samples "
@@ -182,27 +182,40 @@ class TrainStream(IterableDataset):
             where,
         )
 
-    def _stream(self, shards: list[int], rng: random.Random) -> Iterator[RawSample]:
+    def _stream(
+        self, shards: list[int], rng: random.Random, labels_only: bool
+    ) -> Iterator[RawSample]:
         """A reader's samples: its shards, then again in new orders, each
         pass shuffled within the buffer."""
         for repeat in itertools.count():
             order = shards if repeat == 0 else rng.sample(shards, len(shards))
             raws = itertools.chain.from_iterable(
-                read_whole(self.images.shards, shard) for shard in order
+                read_whole(self.images.shards, shard, labels_only) for shard in order
             )
             yield from shuffled(raws, self.buffer, rng)
 
-    def __iter__(self) -> Iterator[list]:
-        # The loader takes batches from its workers in turn, from worker 0:
-        # after ``done`` batches, worker w plays the part of the reader whose
-        # turn it is, (w + done) mod workers, as in the uninterrupted run.
-        slot = (_reader(self.workers) + self._done()) % self.workers
+    def reader_samples(self, slot: int, labels_only: bool = False) -> Iterator:
+        """The raw samples that reader ``slot`` of this process serves in the
+        rest of the epoch (``labels_only``: the images' bytes left unread,
+        see :func:`~distribuuuu.data.shards.read_shard`)."""
         reader = self.rank * self.workers + slot
         rng = random.Random(sample_seed(self.seed, self.epoch, reader))
         wanted = self._wanted(slot, self.batches)
-        skip = self._wanted(slot, self._done())
-        stream = itertools.islice(self._stream(self._dealt()[reader], rng), wanted)
-        taken = itertools.islice(stream, skip, None)
+        skip = self._wanted(slot, self.done())
+        shards = self._dealt()[reader]
+        stream = itertools.islice(self._stream(shards, rng, labels_only), wanted)
+        return itertools.islice(stream, skip, None)
+
+    def reader_of(self, batch: int) -> int:
+        """The reader whose batch is this process's ``batch``-th of the rest
+        of the epoch: the loader takes batches from its workers in turn, from
+        worker 0; after ``done`` batches, worker w plays the part of the
+        reader whose turn it is, (w + done) mod workers, as in the
+        uninterrupted run."""
+        return (batch + self.done()) % self.workers
+
+    def __iter__(self) -> Iterator[list]:
+        taken = self.reader_samples(self.reader_of(_reader(self.workers)))
 
         def seed(number: int) -> int:
             return sample_seed(self.seed, self.epoch, number)

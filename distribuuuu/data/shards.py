@@ -226,12 +226,16 @@ def open_shards(pattern: str, key: str) -> ShardSet:
     return ShardSet(key, tuple(paths), tuple(counts), class_lists.pop())
 
 
-def read_shard(path: str, key: str, skip: int = 0) -> Iterator[RawSample]:
+def read_shard(
+    path: str, key: str, skip: int = 0, labels_only: bool = False
+) -> Iterator[RawSample]:
     """The samples of the shard at ``path`` in order, from the ``skip``-th:
     members grouped by key (the name before the first dot of the file name,
     webdataset's convention).  Only the images and labels are read, at most
-    MAX_SAMPLE_BYTES a sample; nothing of skipped samples.  Links and
-    folders in the tar are ignored, never followed.
+    MAX_SAMPLE_BYTES a sample; nothing of skipped samples; with
+    ``labels_only`` the images are passed over (their headers read, their
+    bytes not: each stands as ``b""``).  Links and folders in the tar are
+    ignored, never followed.
     """
     try:  # webdataset's rule: the key is the name up to the first dot
         from webdataset.tariterators import base_plus_ext
@@ -254,6 +258,9 @@ def read_shard(path: str, key: str, skip: int = 0) -> Iterator[RawSample]:
                 suffix = suffix.lower()
                 if position < skip or not _wanted_member(suffix):
                     continue
+                if labels_only and suffix != "cls":
+                    members[suffix] = b""
+                    continue
                 if sum(map(len, members.values())) + info.size > MAX_SAMPLE_BYTES:
                     raise DataError(
                         f"{key}: shard {path}: sample {prefix} has more than the "
@@ -268,10 +275,14 @@ def read_shard(path: str, key: str, skip: int = 0) -> Iterator[RawSample]:
         yield path, current, members
 
 
-def read_whole(shards: ShardSet, shard: int) -> Iterator[RawSample]:
-    """Every sample of shard number ``shard``, as many as the index lists."""
+def read_whole(
+    shards: ShardSet, shard: int, labels_only: bool = False
+) -> Iterator[RawSample]:
+    """Every sample of shard number ``shard``, as many as the index lists
+    (``labels_only``: see :func:`read_shard`)."""
     path, count = shards.paths[shard], shards.counts[shard]
-    return _counted(read_shard(path, shards.key), count, path, shards.key, count)
+    samples = read_shard(path, shards.key, labels_only=labels_only)
+    return _counted(samples, count, path, shards.key, count)
 
 
 def _wanted_member(suffix: str) -> bool:
@@ -329,17 +340,23 @@ class ShardDecoder:
         self.skip_corrupt = skip_corrupt
         self._reported: set[str] = set()
 
-    def __call__(self, raw: RawSample) -> tuple[torch.Tensor, int]:
+    def label(self, raw: RawSample) -> tuple[int, str]:
+        """The label of a raw sample and the suffix of its image member (a
+        DataError unless it has one image and a valid ``.cls``)."""
         path, name, members = raw
         images = [suffix for suffix in members if suffix in IMAGE_SUFFIXES]
         where = f"{self.shards.key}: shard {path}: sample {name}"
         if len(images) != 1 or "cls" not in members:
             has = ", ".join(sorted(members)) or "no members"
             raise DataError(f"{where} needs one image and a .cls label; it has {has}")
-        label = parse_label(members["cls"], len(self.shards.classes), where)
+        return parse_label(members["cls"], len(self.shards.classes), where), images[0]
+
+    def __call__(self, raw: RawSample) -> tuple[torch.Tensor, int]:
+        path, name, members = raw
+        label, suffix = self.label(raw)
         try:  # a JPEG may be decoded in the transform (DATA.DECODER fused)
             image = self.transform(
-                self.read(members[images[0]], f"{path}:{name}.{images[0]}")
+                self.read(members[suffix], f"{path}:{name}.{suffix}")
             )
         except DataError as error:
             raise UnreadableImageError(str(error)) from error

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distribuuuu.data.labels import is_stand_in
 from distribuuuu.data.spec import Loader
 from distribuuuu.dist import group as du
 from distribuuuu.dist.slurm import requeue_slurm_job
@@ -200,8 +201,10 @@ def micro_batches(
     progress, plan, device = state.progress, state.plan, state.device
     loss_targets: torch.Tensor | Distilled
     # A process that gets activations instead (a pipeline's later stage)
-    # leaves the images as loaded, unless mixing needs them beside the labels.
-    reads = state.strategy.reads_images(state.model) or loss_fn.mixer is not None
+    # leaves the images as loaded; mixing draws from the batch's shape only,
+    # which the stand-ins of a labels-only loader have (data/labels.py).
+    reads = state.strategy.reads_images(state.model)
+    mixes = loss_fn.mixer is not None
     # Micro-batch m of this replica starts at global position first + m * stride.
     replica = state.strategy.data_parallel()[0]
     first, stride = progress.consumed + replica, plan.per_rank * plan.world_size
@@ -209,7 +212,10 @@ def micro_batches(
         tic = time.perf_counter()
         images, targets = next(batches)
         clock.waited(time.perf_counter() - tic, first=micro == 0)
-        images = state.normalize(images) if reads else images
+        if reads or (mixes and not is_stand_in(images)):
+            images = state.normalize(images)
+        elif mixes:  # beside the labels, for the order mixing draws
+            images = images.to(device)
         targets = targets.to(device, non_blocking=True)
         seed = mix_seed(progress.seed, progress.epoch, first + micro * stride)
         images, targets, loss_targets = loss_fn.mix(images, targets, seed)

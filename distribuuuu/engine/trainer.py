@@ -28,6 +28,7 @@ from distribuuuu.data import (
     build_test_loader,
     build_train_loader,
 )
+from distribuuuu.data.labels import labels_only
 from distribuuuu.data.spec import Loader
 from distribuuuu.dist import group as du
 from distribuuuu.dist.watchdog import Watchdog
@@ -223,8 +224,9 @@ def build_train_state(
     writer.start({} if saved is None else saved.tracker_runs)
     replica, replicas = strategy.data_parallel()
     plan = run_batch_plan(cfg, replicas, saved, (strategy, model, optimizer))
+    sets, images = (train_set, val_set), strategy.reads_images(model)
     train_loader, val_loader = build_loaders(
-        cfg, (train_set, val_set), plan, replica, seed=progress.seed, device=device
+        cfg, sets, plan, replica, seed=progress.seed, device=device, images=images
     )
     if saved is not None:
         saved.restore_rng(info.rank, info.world_size, strategy.devices(model))
@@ -339,6 +341,7 @@ def build_loaders(
     replica: int,
     seed: int,
     device: torch.device,
+    images: bool = True,
 ) -> tuple[Loader, Loader]:
     """The training and validation loaders of the data-parallel ``replica``
     (of ``plan.world_size``); the training loader checked against ``plan``."""
@@ -354,6 +357,8 @@ def build_loaders(
         batch_size=plan.per_rank,
     )
     plan.check_fits(len(train_loader), len(train_loader.sampler))
+    if not images:  # a process that never reads them: a pipeline's later stage
+        train_loader = labels_only(train_loader, train_set, cfg.TRAIN.IM_SIZE)
     val_loader = build_test_loader(loaders, val_set, replica, plan.world_size, device)
     return train_loader, val_loader
 
@@ -366,9 +371,8 @@ def train_epochs(
     saver: cp.CheckpointWriter,
     check: auto.PlanCheck | None = None,
 ) -> dict:
-    """The epoch loop of :func:`train_model`: train, evaluate, keep the best
-    weights, save (with ``saver``).  ``loaders``: training and validation;
-    ``check``: DIST.STRATEGY auto's, told of every step."""
+    """The epoch loop of :func:`train_model`: train, evaluate, keep the best, save
+    with ``saver``.  ``check``: DIST.STRATEGY auto's, told of every step."""
     progress, period = state.progress, cfg.CHECKPOINT.PERIOD_ITERS
     precision = state.strategy.spec.precision
     loop, save = specs.loop_spec(cfg), specs.save_spec(cfg, precision)

@@ -28,7 +28,13 @@ from PIL import Image
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_dataset, build_test_loader, build_train_loader
 from distribuuuu.data.datasets import load_mnist5k
-from distribuuuu.data.shards import ShardDecoder, ShardedImages, open_shards
+from distribuuuu.data.labels import labels_only
+from distribuuuu.data.shards import (
+    ShardDecoder,
+    ShardedImages,
+    open_shards,
+    read_shard,
+)
 from distribuuuu.engine.specs import data_spec, loader_spec
 from distribuuuu.engine.trainer import train_model
 from distribuuuu.errors import DataError
@@ -198,6 +204,35 @@ def test_mid_epoch_resume_takes_the_remaining_batches(digits):
     assert len(loader) == 5 and _epoch(loader, 3, 300) == whole[3:]
     assert len(loader) == 2
     assert _epoch(loader, 3, 200) == whole[2:]
+
+
+def _labels(loader, epoch: int, start: int = 0) -> list[list[int]]:
+    loader.sampler.set_epoch(epoch, start)
+    return [labels.tolist() for _, labels in loader]
+
+
+def _unread(data: bytes, name: str) -> torch.Tensor:
+    raise AssertionError(f"{name} was read")
+
+
+@pytest.mark.parametrize("rank, workers", [(0, 0), (1, 2)])
+def test_labels_only_batches_hold_the_labels_of_the_full_loader(digits, rank, workers):
+    """A pipeline's later stage: a rank of 2, the labels of each batch the
+    loader's workers serve in turn, from an epoch's start and resumed after a
+    step (worker 0 then serves the reader of worker 1); no image decoded, nor
+    its bytes read (the tar headers are)."""
+    full = _numbered(digits, rank, 2, workers, 50)
+    expected = [_labels(full, 2), _labels(full, 2, 100)]
+    shards = full.dataset.shards
+    images = ShardedImages(shards, ShardDecoder(shards, _same, _unread, False))
+    spec = dataclasses.replace(loader_spec(load_cfg()), workers=workers)
+    where = dict(rank=rank, world_size=2, seed=7, device=CPU, batch_size=50)
+    labels = labels_only(build_train_loader(spec, images, **where), images, 28)
+    assert [_labels(labels, 2), _labels(labels, 2, 100)] == expected
+    assert len(expected[0]) == 5 and len(expected[1]) == 4
+    _, _, members = next(read_shard(shards.paths[0], "TRAIN.DATASET", 0, True))
+    (image,) = members.keys() - {"cls"}
+    assert members[image] == b"" and members["cls"].strip().isdigit()
 
 
 def test_max_side_caps_the_shorter_side_and_copies_the_rest(tmp_path):

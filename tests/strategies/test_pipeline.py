@@ -174,11 +174,15 @@ def test_two_stages_hold_at_most_0_6_of_the_parameters_per_process(tmp_path):
     assert _parameters_mb(pipeline.stdout) <= 0.6 * ddp_mb
 
 
-def test_a_later_stage_leaves_the_images_as_loaded():
+def test_a_later_stage_leaves_the_images_as_loaded_and_mixes_labels_alike():
     """Only a process whose forward passes read images normalises them (a
-    pipeline's later stages get activations); mixing needs them anyway."""
+    pipeline's later stages get activations), and a later stage given full
+    images by its loader for mixing; given the stand-ins of a labels-only
+    loader, it mixes its labels bitwise as the first stage mixes its batch
+    (CutMix's box and MixUp's weight come from the shape and the seed)."""
     from types import SimpleNamespace
 
+    from distribuuuu.data.labels import stand_in_images
     from distribuuuu.engine.loop import DataClock, micro_batches
     from distribuuuu.engine.losses import TrainLoss, build_mixer
     from distribuuuu.engine.state import BatchPlan, Progress
@@ -189,13 +193,12 @@ def test_a_later_stage_leaves_the_images_as_loaded():
         normalised.append(images.shape)
         return images.float()
 
-    batch = (torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.arange(4))
-    for reads, mixer, expected in ((True, None, 1), (False, None, 0), (False, 1, 1)):
+    def mixed(reads: bool, mixer, images: torch.Tensor, consumed: int = 0):
         strategy = SimpleNamespace(
-            data_parallel=lambda: (0, 1), reads_images=lambda model, r=reads: r
+            data_parallel=lambda: (0, 1), reads_images=lambda model: reads
         )
         state = SimpleNamespace(
-            progress=Progress(),
+            progress=Progress(consumed=consumed),
             plan=BatchPlan(4, 1, 1),
             device=torch.device("cpu"),
             strategy=strategy,
@@ -203,8 +206,28 @@ def test_a_later_stage_leaves_the_images_as_loaded():
             normalize=normalize,
             teacher=None,
         )
-        loss = TrainLoss(4, mixer=build_mixer(4, mixup_alpha=0.2) if mixer else None)
+        loss = TrainLoss(4, mixer=mixer)
         normalised.clear()
-        ((images, labels, _),) = micro_batches(state, iter([batch]), loss, DataClock())
+        batch = (images, torch.arange(4))
+        return next(micro_batches(state, iter([batch]), loss, DataClock()))
+
+    full, stand_in = torch.zeros(4, 3, 8, 6, dtype=torch.uint8), stand_in_images(4, 8)
+    mixup = build_mixer(4, mixup_alpha=0.2)
+    for reads, mixer, images, expected in (
+        (True, None, full, 1),
+        (False, None, full, 0),
+        (False, mixup, full, 1),
+        (False, mixup, stand_in, 0),
+    ):
+        out, _, _ = mixed(reads, mixer, images)
         assert len(normalised) == expected
-        assert images.dtype == (torch.float32 if expected else torch.uint8)
+        assert out.dtype == (
+            torch.uint8 if images is full and not expected else torch.float32
+        )
+    both = build_mixer(4, mixup_alpha=0.8, cutmix_alpha=1.0)
+    stand_in = stand_in_images(4, 8)[..., :6]  # 8 x 6: CutMix's box sees both
+    for consumed in range(0, 64, 4):  # the mixing seeds of 16 micro-batches
+        _, labels, soft = mixed(True, both, full.random_(), consumed)
+        _, later_labels, later_soft = mixed(False, both, stand_in, consumed)
+        assert torch.equal(later_labels, labels) and torch.equal(later_soft, soft)
+    assert not torch.equal(mixed(True, both, full, 4)[2], soft)  # seeds differ

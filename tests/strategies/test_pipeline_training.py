@@ -10,7 +10,14 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_ok, read_metrics, read_text, torchrun, train_net
+from helpers import (
+    assert_ok,
+    read_metrics,
+    read_text,
+    run_launched,
+    torchrun,
+    train_net,
+)
 
 from distribuuuu import checkpoint as cp
 
@@ -179,3 +186,40 @@ def test_accumulation_clipping_and_ema_under_a_pipeline(tmp_path):
     loaded = torchrun(2, "--dry-run", *more, *PIPELINE, *bf16, *start)
     assert_ok(loaded)
     assert "loaded weights from" in loaded.stdout
+
+
+def _count_training_images(args: list[str], out: str) -> None:
+    """Train ``args`` as this rank (torchrun's environment), then write how
+    many training images its data set served to ``out/images<rank>``."""
+    from distribuuuu.config import load_cfg
+    from distribuuuu.data.datasets import SyntheticDataset
+    from distribuuuu.engine.trainer import train_model
+
+    served = []
+    get_image = SyntheticDataset.__getitem__
+
+    def counted(self, index: int):
+        if self.seed == 0:  # the training set's (1: the validation set's)
+            served.append(index)
+        return get_image(self, index)
+
+    SyntheticDataset.__getitem__ = counted  # type: ignore[method-assign]
+    train_model(load_cfg(None, args))
+    with open(os.path.join(out, f"images{os.environ['RANK']}"), "w") as f:
+        f.write(str(len(served)))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_later_stage_reads_no_image_and_mixes_as_one_process(tmp_path):
+    """Under CutMix and MixUp the second stage's loader serves labels only
+    (no training image read, in its process: TRAIN.WORKERS 0) and mixes them
+    as the first stage mixes its images: the weights of one process."""
+    mixing = ["TRAIN.MIXUP_ALPHA", "0.8", "TRAIN.CUTMIX_ALPHA", "1.0"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    args = [*GENTLE, *mixing, "TRAIN.WORKERS", "0"]
+    assert_ok(train_net(*args, "OUT_DIR", one, env=ONE_THREAD))
+    run_launched(2, _count_training_images, ([*args, *PIPELINE, "OUT_DIR", two], two))
+    reads = [int(read_text(two, f"images{rank}")) for rank in range(2)]
+    assert reads[0] >= 1024 and reads[1] == 0
+    _assert_same_run(two, one, atol=1e-5)
