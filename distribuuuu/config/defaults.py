@@ -144,6 +144,15 @@ _C.DATA.RANDOM_ERASING = 0.0
 # different augmentation each time, on different processes; the epoch keeps its
 # length, so it holds 1/REPEATED_AUG of the distinct images (1 = off; DeiT uses 3)
 _C.DATA.REPEATED_AUG = 1
+# How training draws an epoch's samples (as many draws as the training set has
+# samples, whatever the sampler): random (each once, shuffled) | balanced (each
+# class equally likely) | sqrt (a class in proportion to the square root of its
+# size) | repeat_factor (LVIS repeat factors: classes rarer than REPEAT_THRESHOLD
+# more often); all but random draw with replacement; not for webdataset
+_C.DATA.SAMPLER = "random"
+# DATA.SAMPLER repeat_factor: t of LVIS's r(c) = max(1, sqrt(t / f(c))), f(c) the
+# share of training samples of class c (0.001 in LVIS)
+_C.DATA.REPEAT_THRESHOLD = 0.001
 # webdataset: samples each training reader (process x loader worker) holds in
 # its shuffle buffer; the order within a reader's shards is shuffled this far
 # (1 = shard order; more holds more encoded images in memory)

@@ -277,6 +277,13 @@ def _validate_data(cfg: CfgNode) -> None:
         "webdataset streams each reader's shards once an epoch; repeated "
         "augmentation needs a sampler (DATA.NAME imagefolder)",
     )
+    _check(
+        name != "webdataset" or cfg.DATA.SAMPLER == "random",
+        "DATA.SAMPLER",
+        cfg.DATA.SAMPLER,
+        "webdataset streams each reader's shards once an epoch; only random "
+        "sampling works with it (DATA.NAME imagefolder samples by class)",
+    )
     _check_data_paths(cfg, name)
     _check_index_cache(cfg, name)
     if cfg.DATA.DECODER == "gpu":

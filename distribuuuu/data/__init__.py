@@ -24,7 +24,7 @@ from distribuuuu.data.jpeg import (
     read_image_fused,
     read_or_defer,
 )
-from distribuuuu.data.samplers import ExactShardSampler, ResumableTrainSampler
+from distribuuuu.data.samplers import ExactShardSampler, build_train_sampler
 from distribuuuu.data.shard_streams import EvalStream, ShardLoader, TrainStream
 from distribuuuu.data.shards import (
     ShardDecoder,
@@ -442,9 +442,8 @@ def build_train_loader(
 
     Call ``loader.sampler.set_epoch(epoch, start)`` before each epoch. The
     last incomplete batch of a rank is dropped, so that every optimizer step
-    has the same size (BatchNorm also needs more than one sample). With
-    ``DATA.REPEATED_AUG`` k > 1 an epoch holds each of its samples k times
-    (see :class:`ResumableTrainSampler`).
+    has the same size (BatchNorm also needs more than one sample). The
+    order: DATA.SAMPLER and DATA.REPEATED_AUG's (see :func:`build_train_sampler`).
     """
     if isinstance(dataset, ShardedImages):
         stream = TrainStream(
@@ -457,8 +456,8 @@ def build_train_loader(
             buffer=spec.shuffle_buffer,
         )
         return ShardLoader(stream, _loader_kwargs(spec, device))
-    repeats = spec.repeated_aug
-    sampler = ResumableTrainSampler(len(dataset), rank, world_size, seed, repeats)
+    where = dict(rank=rank, world_size=world_size, seed=seed)
+    sampler = build_train_sampler(spec, dataset, **where)
     return _loader(
         spec,
         device,

@@ -467,3 +467,18 @@ class SkipUnreadable(Dataset):
                         "%s; serving the next image instead (DATA.SKIP_CORRUPT)", error
                     )
         raise DataError(f"{self.dataset.key} {self.dataset.root}: no readable image")
+
+
+def stored_labels(dataset: Dataset) -> torch.Tensor | None:
+    """The label of every sample of a map-style data set, by index, where the
+    data set holds them (no image read): in memory, synthetic, or a folder's
+    (under DATA.SKIP_CORRUPT, each file's own); None for any other."""
+    if isinstance(dataset, SkipUnreadable):
+        dataset = dataset.dataset
+    if isinstance(dataset, TensorImageDataset):
+        return dataset.labels.to(torch.int64)
+    if isinstance(dataset, SyntheticDataset):
+        return torch.tensor(dataset.label_list(), dtype=torch.int64)
+    if isinstance(dataset, CheckedImageFolder):
+        return torch.as_tensor(dataset.targets, dtype=torch.int64)
+    return None

@@ -51,13 +51,9 @@ def is_stand_in(images: object) -> bool:
 def dataset_labels(dataset: ImageDataset) -> torch.Tensor | None:
     """The label of every sample of a map-style data set, by index; None where
     only reading an image tells (DATA.SKIP_CORRUPT, or shards)."""
-    if isinstance(dataset, ds.TensorImageDataset):
-        return dataset.labels.to(torch.int64)
-    if isinstance(dataset, ds.SyntheticDataset):
-        return torch.tensor(dataset.label_list(), dtype=torch.int64)
-    if isinstance(dataset, ds.CheckedImageFolder):
-        return torch.as_tensor(dataset.targets, dtype=torch.int64)
-    return None
+    if isinstance(dataset, ds.SkipUnreadable):
+        return None
+    return ds.stored_labels(dataset)
 
 
 class SampledLabels:

@@ -67,6 +67,8 @@ class LoaderSpec:
     shuffle_buffer: int  # DATA.SHUFFLE_BUFFER of WebDataset shards
     repeated_aug: int  # DATA.REPEATED_AUG
     test_batch_size: int  # TEST.BATCH_SIZE
+    sampler: str = "random"  # DATA.SAMPLER: how training draws its samples
+    repeat_threshold: float = 0.001  # DATA.REPEAT_THRESHOLD of repeat_factor
 
 
 class Loader(Protocol):

@@ -261,7 +261,8 @@ def index_cache_folder(cfg: CfgNode) -> str:
 
 def loader_spec(cfg: CfgNode) -> LoaderSpec:
     """How the loaders serve the samples (TRAIN.WORKERS, TRAIN.PIN_MEMORY,
-    DATA.DECODER, DATA.SHUFFLE_BUFFER, DATA.REPEATED_AUG, TEST.BATCH_SIZE)."""
+    DATA.DECODER, DATA.SHUFFLE_BUFFER, DATA.REPEATED_AUG, TEST.BATCH_SIZE,
+    DATA.SAMPLER, DATA.REPEAT_THRESHOLD)."""
     return LoaderSpec(
         workers=cfg.TRAIN.WORKERS,
         pin_memory=cfg.TRAIN.PIN_MEMORY,
@@ -269,6 +270,8 @@ def loader_spec(cfg: CfgNode) -> LoaderSpec:
         shuffle_buffer=cfg.DATA.SHUFFLE_BUFFER,
         repeated_aug=cfg.DATA.REPEATED_AUG,
         test_batch_size=cfg.TEST.BATCH_SIZE,
+        sampler=cfg.DATA.SAMPLER,
+        repeat_threshold=cfg.DATA.REPEAT_THRESHOLD,
     )
 
 

@@ -123,6 +123,15 @@ def test_original_full_recipe_dump_loads(tmp_path):
         (["OPTIM.MAX_EPOCH"], ["KEY VALUE pairs"]),
         (["LOG.STRAGGLER_RATIO", "1"], ["LOG.STRAGGLER_RATIO", "> 1, or 0 = off"]),
         (["LOG.STRAGGLER_RATIO", "-2"], ["LOG.STRAGGLER_RATIO", "> 1, or 0 = off"]),
+        (
+            ["DATA.SAMPLER", "fair"],
+            ["DATA.SAMPLER 'fair'", "random, balanced, sqrt, repeat_factor"],
+        ),
+        (["DATA.REPEAT_THRESHOLD", "0"], ["DATA.REPEAT_THRESHOLD", "(0, 1]"]),
+        (
+            ["DATA.NAME", "webdataset", "DATA.SAMPLER", "sqrt"],
+            ["DATA.SAMPLER 'sqrt'", "webdataset", "only random"],
+        ),
     ],
 )
 def test_bad_values_raise_one_clear_line(opts, words):
@@ -150,6 +159,7 @@ def test_missing_dataset_directory(tmp_path):
         (["MODEL.ARCH", "nosuchnet"], ["MODEL.ARCH", "'nosuchnet'"]),
         (["--cfg", "config/no_such_file.yaml"], ["no_such_file.yaml", "no such file"]),
         (["TRAIN.DATASET", "/no/such/imagenet"], ["/no/such/imagenet"]),
+        (["DATA.SAMPLER", "fair"], ["DATA.SAMPLER 'fair'", "random, balanced, sqrt"]),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_error_line(tmp_path, args, words):

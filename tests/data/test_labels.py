@@ -25,6 +25,10 @@ from distribuuuu.engine.specs import data_spec, loader_spec
 CPU = torch.device("cpu")
 SIZE = 41  # padded to 42 on 2 ranks
 SPEC = loader_spec(load_cfg(None, ["TRAIN.WORKERS", "0", "DATA.REPEATED_AUG", "3"]))
+# DATA.SAMPLER -> its loader spec (random: SPEC).
+SPECS = {
+    name: dataclasses.replace(SPEC, sampler=name) for name in ("random", "balanced")
+}
 
 
 class Counted:
@@ -66,17 +70,19 @@ def _batches(loader, epoch: int, start: int) -> list:
     return list(loader)
 
 
+@pytest.mark.parametrize("sampler", ["random", "balanced"])
 @pytest.mark.parametrize("kind", ["synthetic", "tensor", "folder"])
-def test_labels_only_batches_hold_the_full_loaders_labels(tmp_path, kind):
+def test_labels_only_batches_hold_the_full_loaders_labels(tmp_path, kind, sampler):
     """On 2 ranks (the order padded), 3 repeats of each sample, an epoch from
-    its start and resumed after 2 steps: the labels of every batch, in order;
-    no image transformed or read."""
-    counted = Counted()
+    its start and resumed after 2 steps, shuffled or drawn by class
+    (DATA.SAMPLER): the labels of every batch, in order; no image transformed
+    or read."""
+    counted, spec = Counted(), SPECS[sampler]
     dataset = _dataset(kind, tmp_path, counted)
     for rank in range(2):
         where = dict(rank=rank, world_size=2, seed=5, device=CPU, batch_size=4)
-        full = build_train_loader(SPEC, dataset, **where)
-        labels = labels_only(build_train_loader(SPEC, dataset, **where), dataset, 8)
+        full = build_train_loader(spec, dataset, **where)
+        labels = labels_only(build_train_loader(spec, dataset, **where), dataset, 8)
         for epoch, start in ((0, 0), (1, 16)):
             expected, reads = _batches(full, epoch, start), counted.calls
             served = _batches(labels, epoch, start)

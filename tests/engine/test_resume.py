@@ -37,6 +37,14 @@ def test_sigkill_two_ranks_then_rerun_is_bitwise_identical(tmp_path):
     sigkill_then_rerun_matches_uninterrupted(tmp_path, 2, False, TWO_RANKS)
 
 
+@pytest.mark.slow
+def test_sigkill_then_rerun_of_a_class_balanced_run_is_bitwise_identical(tmp_path):
+    """DATA.SAMPLER balanced (draws with replacement) resumes mid-epoch at the
+    next draw of the same epoch's draws, on 1 rank."""
+    balanced = ("DATA.SAMPLER", "balanced")
+    sigkill_then_rerun_matches_uninterrupted(tmp_path, 1, tear=False, more=balanced)
+
+
 # Two epochs of resnet8 on synthetic images, 24 steps of 64 each on 2 ranks
 # of one replica (DDP: 3,072 images; 2 pipeline stages: 1,536).
 STOPPED = ["MODEL.ARCH", "resnet8", "DATA.NAME", "synthetic"]
