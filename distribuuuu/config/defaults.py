@@ -40,11 +40,16 @@ _C.MODEL.SYNCBN = False
 # a fresh initialisation only (not with PRETRAINED)
 _C.MODEL.ZERO_INIT_RESIDUAL = False
 # Dropout rate, given to the model's constructor (torchvision's dropout, timm's
-# drop_rate: before the classifier in most families); -1 = the model's own
+# drop_rate: before the classifier in most families); a model without dropout
+# of its own (torchvision's ResNets, RegNets, ConvNeXt; ours but botnet50) gets
+# it before its classifier, as timm's drop_rate; torchvision's ViTs refuse it;
+# -1 = the model's own
 _C.MODEL.DROPOUT = -1.0
 # Stochastic depth (drop path) rate: torchvision's stochastic_depth_prob, timm's
-# drop_path_rate (each family's own per-block schedule); for torchvision's ViT,
-# on both branches of block i of L at rate * i / (L - 1); -1 = the model's own
+# drop_path_rate (each family's own per-block schedule); on the residual
+# branches of torchvision's ResNets and ViTs and of ours (vit_tiny_patch4, the
+# small ResNets), block i of L at rate * i / (L - 1), as timm's ResNets and
+# DeiT; -1 = the model's own
 _C.MODEL.DROP_PATH = -1.0
 # Momentum of every BatchNorm's running statistics (torch's convention: the
 # weight of the new batch); -1 = the model's own

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 import sys
 from collections.abc import Callable
@@ -24,8 +25,8 @@ from distribuuuu.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-# name -> constructor(num_classes) of the models defined here.
-_OWN: dict[str, Callable[[int], nn.Module]] = {
+# name -> constructor(num_classes, **options) of the models defined here.
+_OWN: dict[str, Callable[..., nn.Module]] = {
     **{
         f"resnet{d}": functools.partial(small.cifar_resnet, d)
         for d in (8, 14, 20, 32, 44, 56, 110)
@@ -141,7 +142,7 @@ def build_model(
     if library == "distribuuuu":
         if pretrained:
             raise ValueError(f"{name} has no pretrained weights")
-        return _OWN[name](num_classes)
+        return _OWN[name](num_classes, **options)
     if library == "timm":
         import timm
 
@@ -171,22 +172,40 @@ def build_model(
     return model
 
 
-# Constructor arguments -> the key that gives them.
-_OPTION_KEYS = {
-    "dropout": "DROPOUT",
-    "drop_rate": "DROPOUT",
-    "stochastic_depth_prob": "DROP_PATH",
-    "drop_path_rate": "DROP_PATH",
-}
-
-
 def model_options(spec: ModelSpec) -> dict:
     """The constructor arguments of MODEL.DROPOUT and MODEL.DROP_PATH for
-    ``spec.arch`` (ValueError for a small model, which has no such layers)."""
+    ``spec.arch`` (ValueError for one of ours whose constructor has no such
+    argument)."""
     library = model_library(spec.arch)
-    return regularize.constructor_options(
-        spec, small=library == "distribuuuu", timm=library == "timm"
-    )
+    own = _OWN.get(spec.arch) if library == "distribuuuu" else None
+    arguments = inspect.signature(own).parameters if own else ()
+    return regularize.constructor_options(spec, library, arguments)
+
+
+def _build_with_options(
+    spec: ModelSpec, num_classes: int, options: dict
+) -> tuple[nn.Module, list[str]]:
+    """The model of ``spec`` with the ``options`` its constructor takes; the
+    names of those it has no argument for."""
+    options = dict(options)
+    refused: list[str] = []
+    while True:
+        try:
+            model = build_model(
+                spec.arch, num_classes, pretrained=spec.pretrained, **options
+            )
+            return model, refused
+        except TypeError as error:  # a constructor without that argument
+            if not options:
+                raise
+            named = [arg for arg in options if f"'{arg}'" in str(error)]
+            if not named:
+                raise ValueError(
+                    f"MODEL.DROPOUT or MODEL.DROP_PATH: {spec.arch} has no such "
+                    "layers to set"
+                ) from None
+            refused.append(named[0])
+            del options[named[0]]
 
 
 def build_configured(spec: ModelSpec, num_classes: int | None = None) -> nn.Module:
@@ -194,16 +213,10 @@ def build_configured(spec: ModelSpec, num_classes: int | None = None) -> nn.Modu
     ``num_classes`` replaces the spec's head size."""
     arch = spec.arch
     classes = spec.num_classes if num_classes is None else num_classes
-    options = model_options(spec)
-    try:
-        model = build_model(arch, classes, pretrained=spec.pretrained, **options)
-    except TypeError as error:  # a constructor without that argument
-        named = [key for arg, key in _OPTION_KEYS.items() if f"'{arg}'" in str(error)]
-        key = named[0] if named else "DROPOUT or MODEL.DROP_PATH"
-        raise ValueError(f"MODEL.{key}: {arch} has no such layers to set") from None
+    model, refused = _build_with_options(spec, classes, model_options(spec))
     library = model_library(arch)
     logger.info("model: %s built by %s", arch, library)
-    done = regularize.regularize(model, spec, timm=library == "timm")
+    done = regularize.regularize(model, spec, timm=library == "timm", refused=refused)
     if done:
         logger.info("model: %s", ", ".join(done))
     return model

@@ -10,6 +10,12 @@ by module name and each rank runs its own heads.  The position embedding is
 the fixed 2-D sine-cosine one of MAE and MoCo v3 (He et al. 2022; Chen et al.
 2021), computed for the input's grid: the model has no parameter that depends
 on the image size, so it runs at any TRAIN.IM_SIZE divisible by the patch.
+``drop_path`` (MODEL.DROP_PATH) is the stochastic depth of both residual
+branches of the last block, the others' rising linearly to it from none at
+the first, as in DeiT; ``dropout`` (MODEL.DROPOUT) drops the class token's
+features before the head, as timm's ``drop_rate``.  Under tensor parallelism
+the ranks of a block draw the same masks (see
+:mod:`~distribuuuu.models.tensor_parallel`).
 
 :class:`SplitAttention` stands in for the fused ``nn.MultiheadAttention`` of
 torchvision's ViT blocks (:func:`split_torchvision_attention`): the same
@@ -24,8 +30,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchvision.ops import StochasticDepth
 
 from distribuuuu.checkpoint.format import fuse_qkv
+from distribuuuu.models.regularize import drop_path_rates
 
 
 class SplitAttention(nn.Module):
@@ -118,9 +126,10 @@ def split_torchvision_attention(model: nn.Module) -> int:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: attention, then an MLP, each residual."""
+    """Pre-norm transformer block: attention, then an MLP, each residual, each
+    branch dropped per sample with probability ``drop_path``."""
 
-    def __init__(self, dim: int, heads: int, mlp: int):
+    def __init__(self, dim: int, heads: int, mlp: int, drop_path: float = 0.0):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = SplitAttention(dim, heads)
@@ -130,10 +139,11 @@ class Block(nn.Module):
             nn.GELU(),
             nn.Linear(mlp, dim),
         )
+        self.drop_path = StochasticDepth(drop_path, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.fc2(self.act(self.fc1(self.norm2(x))))
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.fc2(self.act(self.fc1(self.norm2(x)))))
 
 
 def sincos_position_embedding(rows: int, cols: int, dim: int) -> torch.Tensor:
@@ -168,7 +178,8 @@ def embed_patches(
 
 class VisionTransformer(nn.Module):
     """A ViT: patches, class token, fixed position embedding, pre-norm blocks,
-    a final norm and a linear head on the class token."""
+    a final norm and a linear head on the class token (``dropout`` before it;
+    ``drop_path``: the stochastic depth of the last block)."""
 
     def __init__(
         self,
@@ -179,14 +190,19 @@ class VisionTransformer(nn.Module):
         mlp: int,
         num_classes: int,
         in_channels: int = 3,
+        dropout: float = 0.0,
+        drop_path: float = 0.0,
     ):
         super().__init__()
         if dim % 4:
             raise ValueError(f"hidden size {dim} must be divisible by 4")
         self.patch_embed = nn.Conv2d(in_channels, dim, patch, patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
-        self.blocks = nn.Sequential(*[Block(dim, heads, mlp) for _ in range(depth)])
+        self.blocks = nn.Sequential(
+            *[Block(dim, heads, mlp, p) for p in drop_path_rates(drop_path, depth)]
+        )
         self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.head_dropout = nn.Dropout(dropout)
         self.head = nn.Linear(dim, num_classes)
         nn.init.normal_(self.cls_token, std=0.02)
         for module in self.modules():
@@ -198,11 +214,20 @@ class VisionTransformer(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.blocks(embed_patches(self.patch_embed, self.cls_token, images))
-        return self.head(self.norm(x)[:, 0])
+        return self.head(self.head_dropout(self.norm(x)[:, 0]))
 
 
-def vit_tiny_patch4(num_classes: int = 10) -> VisionTransformer:
+def vit_tiny_patch4(
+    num_classes: int = 10, dropout: float = 0.0, drop_path: float = 0.0
+) -> VisionTransformer:
     """ViT-Tiny for 28-32 px images: patch 4, hidden 192, depth 6, 4 heads."""
     return VisionTransformer(
-        patch=4, dim=192, depth=6, heads=4, mlp=768, num_classes=num_classes
+        patch=4,
+        dim=192,
+        depth=6,
+        heads=4,
+        mlp=768,
+        num_classes=num_classes,
+        dropout=dropout,
+        drop_path=drop_path,
     )

@@ -162,8 +162,9 @@ def test_dropout_and_batchnorm_values_reach_every_layer():
 @pytest.mark.parametrize(
     "keys, words",
     [
-        (["MODEL.ARCH", "resnet18", "MODEL.DROPOUT", "0.2"], "MODEL.DROPOUT: resnet18"),
-        (["MODEL.DROP_PATH", "0.1"], "MODEL.DROP_PATH: resnet20 has no such layers"),
+        (["MODEL.ARCH", "botnet50", "MODEL.DROPOUT", "0.2"], "botnet50 has no such"),
+        (["MODEL.ARCH", "lenet5", "MODEL.DROP_PATH", "0.1"], "lenet5 has no such"),
+        (["MODEL.ARCH", "vgg11", "MODEL.DROP_PATH", "0.1"], "vgg11 has no such"),
         (["MODEL.ARCH", "vit_b_16", "MODEL.BN_EPS", "0.001"], "has no BatchNorm"),
         (["MODEL.ARCH", "vit_b_16", "MODEL.DROPOUT", "0.1"], "no classifier dropout"),
         (["MODEL.DROP_PATH", "1.0"], "MODEL.DROP_PATH 1.0 is invalid"),

@@ -274,25 +274,32 @@ def _replicated(parameter: torch.Tensor) -> bool:
     return True
 
 
-def _drop_path_steps(rank: int, sequence_parallel: bool) -> dict:
+def _drop_path_steps(rank: int, sequence_parallel: bool, ours: bool = False) -> dict:
     """The whole weights of a torchvision ViT with MODEL.DROP_PATH 0.5 after
     20 SGD steps under TP 2 (the strategy's), each rank seeded apart as the
     trainer seeds it; and whether two forward passes then differ (the zero
-    head of torchvision's ViT gives zero logits before)."""
+    head of torchvision's ViT gives zero logits before).  ``ours``:
+    vit_tiny_patch4 with MODEL.DROPOUT 0.5 too, 2 steps on 20 px images."""
     from distribuuuu.engine.specs import model_spec
+    from distribuuuu.models import build_configured
     from distribuuuu.models.regularize import regularize
 
     sp = ["DIST.SEQUENCE_PARALLEL", str(sequence_parallel)]
-    cfg, strategy = _tensor_parallel_strategy("MODEL.DROP_PATH", "0.5", *sp)
+    own = ["MODEL.ARCH", "vit_tiny_patch4", "MODEL.DROPOUT", "0.5"] * ours
+    cfg, strategy = _tensor_parallel_strategy("MODEL.DROP_PATH", "0.5", *sp, *own)
     torch.manual_seed(1 + rank)  # RNG_SEED + rank
-    model = _small_torchvision_vit()
-    regularize(model, model_spec(cfg))
+    if ours:
+        model = build_configured(model_spec(cfg))
+    else:
+        model = _small_torchvision_vit()
+        regularize(model, model_spec(cfg))
     model = _tensor_parallel_model(strategy, model)
     batch = torch.Generator().manual_seed(0)  # the same batch on both ranks
-    images = torch.randn(8, 3, 28, 28, generator=batch)
+    size = 20 if ours else 28  # 26 tokens for ours, 50 for torchvision's
+    images = torch.randn(8, 3, size, size, generator=batch)
     targets = torch.randint(0, 10, (8,), generator=batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(20):
+    for _ in range(2 if ours else 20):
         optimizer.zero_grad()
         F.cross_entropy(model(images), targets).backward()
         strategy.reduce_gradients(model)
@@ -335,6 +342,7 @@ def _on_two_ranks(rank: int, world: int, out_dir: str) -> dict:
         "round trip": lambda: _whole_state_round_trip(rank, out_dir),
         "drop path": lambda: _drop_path_steps(rank, False),
         "drop path, sequence parallel": lambda: _drop_path_steps(rank, True),
+        "drop path, ours": lambda: _drop_path_steps(rank, False, ours=True),
         "draws": lambda: _draws_after_sharing(rank, world),
     }
     return run_parts(parts)
@@ -372,14 +380,15 @@ def test_a_tensor_parallel_torchvision_vit_saves_torchvision_keys(
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "part",
-    ["drop path", "drop path, sequence parallel"],
-    ids=["", "sequence-parallel"],
+    ["drop path", "drop path, sequence parallel", "drop path, ours"],
+    ids=["", "sequence-parallel", "vit_tiny_patch4"],
 )
 def test_replicated_vit_weights_stay_equal_under_tp_2_with_drop_path(two_ranks, part):
     first, second = _part(two_ranks, part)
     assert first["masked"] and second["masked"]  # the drop path drew masks
     assert first["weights"].keys() == second["weights"].keys()
-    assert "heads.head.weight" in first["weights"]
+    head = "head.weight" if part.endswith("ours") else "heads.head.weight"
+    assert head in first["weights"]
     for key, value in first["weights"].items():
         assert torch.equal(second["weights"][key], value), key
 
