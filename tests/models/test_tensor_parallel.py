@@ -23,6 +23,7 @@ from helpers import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torchvision.ops import StochasticDepth
 
 from distribuuuu.checkpoint.format import fuse_qkv
 from distribuuuu.models import build_model
@@ -299,6 +300,10 @@ def _drop_path_steps(rank: int, sequence_parallel: bool, ours: bool = False) -> 
     images = torch.randn(8, 3, size, size, generator=batch)
     targets = torch.randint(0, 10, (8,), generator=batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept: list[torch.Tensor] = []  # per drop path call, which samples it kept
+    for module in model.modules():
+        if isinstance(module, StochasticDepth):
+            module.register_forward_hook(lambda _, args, out: kept.append(_kept(out)))
     for _ in range(2 if ours else 20):
         optimizer.zero_grad()
         F.cross_entropy(model(images), targets).backward()
@@ -311,7 +316,13 @@ def _drop_path_steps(rank: int, sequence_parallel: bool, ours: bool = False) -> 
         for name, p in model.named_parameters()
         if _replicated(p)
     }
-    return {"masked": masked, "weights": weights}
+    return {"masked": masked, "weights": weights, "kept": torch.stack(kept)}
+
+
+def _kept(out) -> torch.Tensor:
+    """Which samples a row-wise drop path kept (a sequence shard of them too)."""
+    local = out.to_local() if isinstance(out, DTensor) else out
+    return local.detach().flatten(1).abs().amax(1) > 0
 
 
 def _draws_after_sharing(rank: int, world: int) -> dict:
@@ -386,6 +397,10 @@ def test_a_tensor_parallel_torchvision_vit_saves_torchvision_keys(
 def test_replicated_vit_weights_stay_equal_under_tp_2_with_drop_path(two_ranks, part):
     first, second = _part(two_ranks, part)
     assert first["masked"] and second["masked"]  # the drop path drew masks
+    # The ranks of a replica drop the same samples (under sequence parallelism
+    # each holds other tokens of them), some and not all.
+    assert torch.equal(first["kept"], second["kept"])
+    assert first["kept"].any() and not first["kept"].all()
     assert first["weights"].keys() == second["weights"].keys()
     head = "head.weight" if part.endswith("ours") else "heads.head.weight"
     assert head in first["weights"]
