@@ -185,18 +185,10 @@ class CheckpointWriter:
                 logger.info("saved %s", path)
             except Exception as caught:  # tell the others before raising it
                 error = caught
-        if self._failed_anywhere(error is not None):
+        if du.all_reduce_max_int(int(error is not None), self.group):
             if error is not None:
                 raise error
             raise RuntimeError("rank 0 failed to save the checkpoint (see log.txt)")
-
-    def _failed_anywhere(self, failed: bool) -> bool:
-        if self.group is None:
-            return bool(du.all_reduce_max_int(int(failed)))
-        flag = torch.tensor([int(failed)], dtype=torch.int64)
-        if du.is_distributed():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
 
     def _write_behind(
         self,

@@ -71,13 +71,14 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_reduce_max_int(value: int) -> int:
+def all_reduce_max_int(value: int, group: dist.ProcessGroup | None = None) -> int:
     """The largest ``value`` over all processes (through a CPU group, so that
-    a GPU run does not wait on its CUDA stream for it)."""
+    a GPU run does not wait on its CUDA stream for it): the control group, or
+    ``group``, a gloo group of every process."""
     if not is_distributed():
         return value
     tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_CONTROL)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group or _CONTROL)
     return int(tensor.item())
 
 

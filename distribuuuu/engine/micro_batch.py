@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distribuuuu.checkpoint.format import capture_rng_state, restore_rng_state
+from distribuuuu.checkpoint.writer import host_copy
 from distribuuuu.dist import group as du
 from distribuuuu.engine.state import BatchPlan, plan_batches
 from distribuuuu.errors import NoMicroBatchFitsError, StepOutOfMemoryError
@@ -166,17 +167,6 @@ def step_out_of_memory(plan: BatchPlan, out_dir: str) -> StepOutOfMemoryError:
     )
 
 
-def _on_cpu(value):
-    """``value`` (a state_dict's tree) with every tensor copied to the CPU."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _on_cpu(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_on_cpu(item) for item in value]
-    return value
-
-
 class Snapshot:
     """What a tried step changes, copied to the host: ``model``'s parameters
     and buffers (BatchNorm's statistics and counts among them), the
@@ -186,8 +176,8 @@ class Snapshot:
     def __init__(self, model: nn.Module, optimizer, devices: list[torch.device]):
         self.model, self.optimizer, self.devices = model, optimizer, devices
         tensors = chain(model.parameters(), model.buffers())
-        self.tensors = [(live, _on_cpu(live)) for live in tensors]
-        self.optimizer_state = _on_cpu(optimizer.state_dict())
+        self.tensors = [(live, host_copy(live)) for live in tensors]
+        self.optimizer_state = host_copy(optimizer.state_dict())
         self.training = [(module, module.training) for module in model.modules()]
         self.rng = capture_rng_state(devices)
 
