@@ -51,6 +51,21 @@ _C.MODEL.DROPOUT = -1.0
 # small ResNets), block i of L at rate * i / (L - 1), as timm's ResNets and
 # DeiT; -1 = the model's own
 _C.MODEL.DROP_PATH = -1.0
+# Training loss: ce (softmax cross-entropy over the classes) | bce (a sigmoid
+# binary cross-entropy per class; single-label targets are one-hot, as in
+# ResNet strikes back, Wightman et al. 2021) | asl (asymmetric loss, Ridnik et
+# al. 2021, for multi-label data). Multi-label data (TRAIN.LABELS_FILE,
+# mnist5k_pairs) needs bce or asl
+_C.MODEL.LOSS = "ce"
+# bce and asl: targets of mixed batches at or above this become 1, the others 0
+# (timm's bce_target_thresh; RSB uses 0.2); 0 = off, the soft targets
+_C.MODEL.BCE_THRESHOLD = 0.0
+# asl: the focusing exponent of the negatives (4 in Ridnik et al. 2021)
+_C.MODEL.ASL_GAMMA_NEG = 4.0
+# asl: the focusing exponent of the positives (0 in Ridnik et al. 2021)
+_C.MODEL.ASL_GAMMA_POS = 0.0
+# asl: the probability margin shifted off the negatives (0.05 in Ridnik et al.)
+_C.MODEL.ASL_CLIP = 0.05
 # Momentum of every BatchNorm's running statistics (torch's convention: the
 # weight of the new batch); -1 = the model's own
 _C.MODEL.BN_MOMENTUM = -1.0
@@ -102,10 +117,12 @@ _C.MODEL.CHANNELS_LAST = True
 # Data
 # ---------------------------------------------------------------------------- #
 _C.DATA = CfgNode()
-# Data set: auto | mnist5k | imagefolder | webdataset | cifar10 | cifar100 |
-# synthetic. auto resolves to imagefolder when TRAIN.DATASET is set, else to
-# mnist5k; webdataset reads tar shards (tools/make_shards.py) named by brace
-# patterns in TRAIN.DATASET and TEST.DATASET
+# Data set: auto | mnist5k | mnist5k_pairs | imagefolder | webdataset | cifar10
+# | cifar100 | synthetic. auto resolves to imagefolder when TRAIN.DATASET is
+# set, else to mnist5k; mnist5k_pairs is the embedded multi-label task (two
+# digits side by side on a 56 x 56 canvas, labelled with both); webdataset reads
+# tar shards (tools/make_shards.py) named by brace patterns in TRAIN.DATASET and
+# TEST.DATASET
 _C.DATA.NAME = "auto"
 # Allow torchvision to download CIFAR into TRAIN.DATASET / TEST.DATASET
 _C.DATA.DOWNLOAD = False
@@ -193,6 +210,12 @@ _C.TRAIN.INTERPOLATION = "bilinear"
 _C.TRAIN.DATASET = ""
 # Sub-directory of TRAIN.DATASET holding the training images (imagefolder)
 _C.TRAIN.SPLIT = "train"
+# Multi-label training: a CSV of the columns path,labels (a header row, then
+# one row per image: its path relative to TRAIN.DATASET/TRAIN.SPLIT and its
+# class names separated by spaces); the classes are the sorted names of this
+# file. Needs DATA.NAME imagefolder, TEST.LABELS_FILE and MODEL.LOSS bce or asl;
+# "" = the class folders' single labels
+_C.TRAIN.LABELS_FILE = ""
 # Resume from OUT_DIR/checkpoints/last when it exists
 _C.TRAIN.AUTO_RESUME = True
 # Also load the optimizer state when MODEL.WEIGHTS is a full checkpoint
@@ -257,6 +280,20 @@ _C.TRAIN.MIX_SWITCH_PROB = 0.5
 # (un-mixed, the first of the epoch's order), the same on every process; for the
 # EMA weights as well, with MODEL.EMA (0 = off; pycls uses 8,192 images in all)
 _C.TRAIN.PRECISE_BN = 0
+# Progressive resizing (FFCV's schedule): the training crop grows linearly from
+# START_SIZE at START_EPOCH to END_SIZE at END_EPOCH, rounded to a multiple of
+# MULTIPLE, and stays there; evaluation keeps TEST.CROP_SIZE (0: END_SIZE)
+_C.TRAIN.PROGRESSIVE = CfgNode()
+# The first training crop in pixels (0 = off: every epoch at TRAIN.IM_SIZE)
+_C.TRAIN.PROGRESSIVE.START_SIZE = 0
+# The last training crop in pixels; 0 = TRAIN.IM_SIZE
+_C.TRAIN.PROGRESSIVE.END_SIZE = 0
+# The epoch (counted from 0) of the last crop of START_SIZE
+_C.TRAIN.PROGRESSIVE.START_EPOCH = 0
+# The epoch from which the crop is END_SIZE; 0 = the last epoch
+_C.TRAIN.PROGRESSIVE.END_EPOCH = 0
+# Round every size to the nearest multiple of this (ImageNet recipes use 32)
+_C.TRAIN.PROGRESSIVE.MULTIPLE = 1
 # Knowledge distillation from a trained teacher (off while ARCH is empty): the
 # loss is (1 - ALPHA) x the usual one + ALPHA x the teacher's term. The teacher
 # runs in eval mode, under the same precision, on the images the student sees
@@ -284,6 +321,9 @@ _C.TEST = CfgNode()
 _C.TEST.DATASET = ""
 # Sub-directory of TEST.DATASET holding the validation images (imagefolder)
 _C.TEST.SPLIT = "val"
+# Multi-label evaluation: a CSV as TRAIN.LABELS_FILE, paths relative to
+# TEST.DATASET/TEST.SPLIT, every class one of the training file's
+_C.TEST.LABELS_FILE = ""
 # Images per process per evaluation step
 _C.TEST.BATCH_SIZE = 200
 # Resize the shorter side to this before the centre crop of TEST.CROP_SIZE
@@ -302,6 +342,9 @@ _C.TEST.INTERPOLATION = "bilinear"
 # evaluation crop, from the square of the evaluation resize) | ten_crop (those
 # and their mirrors)
 _C.TEST.TTA = "none"
+# Multi-label runs: a class is predicted where its sigmoid probability is at or
+# above this (the micro and macro F1 of evaluation, and predict's labels)
+_C.TEST.THRESHOLD = 0.5
 # Log evaluation progress every this many iterations
 _C.TEST.PRINT_FREQ = 10
 
@@ -527,6 +570,7 @@ _C.CHECKPOINT.KEEP = 3
 # KEEP 0 every checkpoint is kept anyway)
 _C.CHECKPOINT.KEEP_BEST = 0
 # What "best" means for KEEP_BEST: top1 (highest) | loss (lowest validation loss)
+# | map (highest mean average precision; multi-label runs)
 _C.CHECKPOINT.BEST_METRIC = "top1"
 # Write checkpoints in the background: training waits only while the state is
 # copied to host memory, and `last` moves once every rank's files are complete

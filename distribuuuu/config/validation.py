@@ -21,7 +21,7 @@ from distribuuuu.config.keys import CHOICES, RANGES, TRACKERS, get_key
 from distribuuuu.errors import ConfigError
 
 # Classes of the data sets with a fixed label set.
-_FIXED_CLASSES = {"mnist5k": 10, "cifar10": 10, "cifar100": 100}
+_FIXED_CLASSES = {"mnist5k": 10, "mnist5k_pairs": 10, "cifar10": 10, "cifar100": 100}
 
 
 def resolve_data_name(cfg: CfgNode) -> str:
@@ -31,6 +31,18 @@ def resolve_data_name(cfg: CfgNode) -> str:
     if cfg.DATA.NAME == "auto":
         return "imagefolder" if cfg.TRAIN.DATASET else "mnist5k"
     return cfg.DATA.NAME
+
+
+def is_multi_label(cfg: CfgNode) -> bool:
+    """Whether a cfg's samples carry label sets (multi-hot targets): a labels
+    file, or the embedded mnist5k_pairs."""
+    name = resolve_data_name(cfg)
+    return bool(cfg.TRAIN.LABELS_FILE) or name == "mnist5k_pairs"
+
+
+def progressive_end_epoch(cfg: CfgNode) -> int:
+    """TRAIN.PROGRESSIVE.END_EPOCH with 0 resolved to the last epoch."""
+    return cfg.TRAIN.PROGRESSIVE.END_EPOCH or cfg.OPTIM.MAX_EPOCH - 1
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -316,6 +328,61 @@ def _validate_gpu_decoder(cfg: CfgNode, name: str) -> None:
     _check(erasing == 0, "DATA.RANDOM_ERASING", erasing, why)
 
 
+def _validate_labels(cfg: CfgNode) -> None:
+    """Labels files come in pairs, on image folders; label sets need a loss
+    that scores each class on its own, and a best metric they report."""
+    train, test = cfg.TRAIN.LABELS_FILE, cfg.TEST.LABELS_FILE
+    for key, path in (("TRAIN.LABELS_FILE", train), ("TEST.LABELS_FILE", test)):
+        _check(bool(train) == bool(test), key, path, "is set alone: set both")
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{key}: no such file {path}")
+    name = resolve_data_name(cfg)
+    _check(
+        not train or name == "imagefolder",
+        "TRAIN.LABELS_FILE",
+        train,
+        f"names images of a folder (DATA.NAME imagefolder), not of {name}",
+    )
+    multi = is_multi_label(cfg)
+    _check(
+        not multi or cfg.MODEL.LOSS != "ce",
+        "MODEL.LOSS",
+        "ce",
+        "scores one label per image; multi-label data needs bce or asl",
+    )
+    metric = cfg.CHECKPOINT.BEST_METRIC
+    _check(
+        metric == "loss" or (metric == "map") == multi,
+        "CHECKPOINT.BEST_METRIC",
+        metric,
+        "multi-label runs report map and loss, not top1"
+        if multi
+        else "map is reported by multi-label runs only",
+    )
+
+
+def _validate_progressive(cfg: CfgNode) -> None:
+    """TRAIN.PROGRESSIVE: a ramp that grows, within the run's epochs."""
+    ramp = cfg.TRAIN.PROGRESSIVE
+    if not ramp.START_SIZE:
+        return
+    end_size = ramp.END_SIZE or cfg.TRAIN.IM_SIZE
+    _check(
+        ramp.MULTIPLE <= ramp.START_SIZE <= end_size,
+        "TRAIN.PROGRESSIVE.START_SIZE",
+        ramp.START_SIZE,
+        f"must be in [MULTIPLE {ramp.MULTIPLE}, END_SIZE {end_size}]",
+    )
+    end = progressive_end_epoch(cfg)
+    _check(
+        ramp.START_EPOCH < end < cfg.OPTIM.MAX_EPOCH,
+        "TRAIN.PROGRESSIVE.END_EPOCH",
+        ramp.END_EPOCH,
+        f"resolves to {end}: must be after START_EPOCH {ramp.START_EPOCH} and "
+        f"before OPTIM.MAX_EPOCH {cfg.OPTIM.MAX_EPOCH}",
+    )
+
+
 def _validate_log(cfg: CfgNode) -> None:
     """LOG.TRACKERS: known trackers, each once."""
     trackers = cfg.LOG.TRACKERS
@@ -334,5 +401,7 @@ def validate_cfg(cfg: CfgNode) -> None:
     _validate_test(cfg)
     _validate_model(cfg)
     _validate_distill(cfg)
+    _validate_labels(cfg)
+    _validate_progressive(cfg)
     _validate_data(cfg)
     _validate_log(cfg)
