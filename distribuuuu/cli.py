@@ -221,8 +221,21 @@ class StartupStop(BaseException):
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-def _raise_stop(signum: int, frame: FrameType | None) -> None:
-    raise StartupStop(signum)
+class _StopRaiser:
+    """The start-up handler of SIGTERM and SIGUSR1: raises StartupStop.
+
+    It also records the signal: Python only prints an exception raised inside
+    a weakref callback or a ``__del__`` (an import's clean-up may run one) and
+    goes on, and the training loop's StopRequest, which replaces this handler,
+    takes such a swallowed stop over from ``received``.
+    """
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+        raise StartupStop(signum)
 
 
 @contextlib.contextmanager
@@ -233,12 +246,13 @@ def stop_signals_raise() -> Iterator[None]:
     the previous handlers come back after the block unless something else
     (the loop, or a stop that ignores further signals) replaced ours.
     """
-    previous = {signum: signal.signal(signum, _raise_stop) for signum in STOP_SIGNALS}
+    raiser = _StopRaiser()
+    previous = {signum: signal.signal(signum, raiser) for signum in STOP_SIGNALS}
     try:
         yield
     finally:
         for signum, handler in previous.items():
-            if signal.getsignal(signum) is _raise_stop:  # not ignored by a stop
+            if signal.getsignal(signum) is raiser:  # not ignored by a stop
                 signal.signal(signum, handler)
 
 

@@ -8,6 +8,7 @@ no traceback may reach the terminal unless ``--debug`` asks for it.
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 from pathlib import Path
 from types import ModuleType
@@ -209,3 +210,23 @@ def test_every_tool_ends_in_one_error_line(name, debug, plain_weights, image, tm
     else:
         assert "Traceback" not in result.stderr + result.stdout
     assert [line for line in lines if line.startswith("error: ")] == lines[-1:]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_stop_swallowed_during_start_up_stops_the_training_loop():
+    """SIGTERM raised as StartupStop inside a __del__ (which Python prints and
+    ignores, as an import's weakref callback) is not lost: the loop's
+    StopRequest starts with it."""
+    from distribuuuu.engine.loop import StopRequest
+
+    class SignalledOnCollection:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        with cli.stop_signals_raise():
+            SignalledOnCollection()  # collected at once: StartupStop swallowed
+            stop = StopRequest()
+            assert stop.agreed() == signal.SIGTERM and stop.stopping
+    finally:
+        cli.default_stop_signals()

@@ -304,6 +304,10 @@ class StopRequest:
         self.noted = False  # this rank's signal logged
         self.stopping = False  # agreed: the run stops
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        # A stop that start-up's handler received but whose StartupStop was
+        # swallowed (cli._StopRaiser) is this run's stop request.
+        received = [getattr(h, "received", 0) for h in self._previous.values()]
+        self.signum = max(self.signum, *received)
 
     def _handle(self, signum, frame) -> None:
         self.signum = signum
