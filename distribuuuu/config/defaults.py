@@ -158,6 +158,18 @@ _C.DATA.RANDAUG_N = 2
 # RandAugment: magnitude of every operation on torchvision's scale of 0-30 (its
 # default)
 _C.DATA.RANDAUG_M = 9
+# RandAugment: std of a normal noise drawn for the magnitude of each operation
+# applied, on RANDAUG_M's 0-30 scale, the magnitude clipped to [0, 30] (timm's
+# mstd times 3: ResNet strikes back's mstd0.5 is 1.5). Above 0, or with
+# RANDAUG_INC, RandAugment is timm's: each of the RANDAUG_N operations applied
+# with probability 0.5, timm's 15 operations, mean-colour fill; 0 with
+# RANDAUG_INC False = torchvision's RandAugment (0 = off)
+_C.DATA.RANDAUG_MSTD = 0.0
+# RandAugment: timm's increasing operations (its inc1), stronger at every larger
+# magnitude: posterize keeps fewer bits, solarize inverts from a lower
+# threshold, colour, contrast, brightness and sharpness move their factor away
+# from 1 in a random direction; True makes RandAugment timm's (see RANDAUG_MSTD)
+_C.DATA.RANDAUG_INC = False
 # Probability of random erasing of a training image, in the data set's mean
 # colour, as torchvision's reference erases with 0 after normalisation (0 = off;
 # DeiT uses 0.25)

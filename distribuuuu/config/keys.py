@@ -156,6 +156,7 @@ RANGES = {
     "MODEL.EMA_EVERY": _at_least(1),
     "DATA.RANDAUG_N": _at_least(1),
     "DATA.RANDAUG_M": _within("[0, 30]"),
+    "DATA.RANDAUG_MSTD": _within("[0, 30]", " (0 = off)"),
     "DATA.RANDOM_ERASING": _within("[0, 1]", " (0 = off)"),
     "DATA.REPEATED_AUG": _at_least(1, " (1 = off)"),
     "DATA.SHUFFLE_BUFFER": _at_least(1, " (1 = shard order)"),

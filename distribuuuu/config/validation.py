@@ -383,6 +383,22 @@ def _validate_progressive(cfg: CfgNode) -> None:
     )
 
 
+def _validate_randaugment(cfg: CfgNode) -> None:
+    """DATA.RANDAUG_MSTD and DATA.RANDAUG_INC shape RandAugment only."""
+    data = cfg.DATA
+    for key, value, off in (
+        ("MSTD", data.RANDAUG_MSTD, 0),
+        ("INC", data.RANDAUG_INC, False),
+    ):
+        _check(
+            value == off or data.AUTO_AUGMENT == "randaugment",
+            f"DATA.RANDAUG_{key}",
+            value,
+            f"shapes RandAugment, but DATA.AUTO_AUGMENT is {data.AUTO_AUGMENT}: "
+            "set DATA.AUTO_AUGMENT randaugment",
+        )
+
+
 def _validate_log(cfg: CfgNode) -> None:
     """LOG.TRACKERS: known trackers, each once."""
     trackers = cfg.LOG.TRACKERS
@@ -403,5 +419,6 @@ def validate_cfg(cfg: CfgNode) -> None:
     _validate_distill(cfg)
     _validate_labels(cfg)
     _validate_progressive(cfg)
+    _validate_randaugment(cfg)
     _validate_data(cfg)
     _validate_log(cfg)

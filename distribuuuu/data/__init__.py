@@ -84,9 +84,8 @@ _IMAGE_FILES = ("imagefolder", "webdataset")
 
 def _train_augment(spec: TransformSpec, name: str) -> tuple[v2.Transform | None, float]:
     """The auto-augment transform (or None) and random erasing probability."""
-    policy = _AUTO_AUGMENT_POLICY.get(name, "imagenet")
-    augment = auto_augment(spec.auto_augment, policy, spec.randaug_n, spec.randaug_m)
-    return augment, spec.random_erasing
+    policy, mean = _AUTO_AUGMENT_POLICY.get(name, "imagenet"), _statistics(name)[0]
+    return auto_augment(spec, policy, mean), spec.random_erasing
 
 
 def _statistics(name: str) -> tuple[tuple, tuple]:

@@ -31,6 +31,8 @@ class TransformSpec:
     auto_augment: str = "none"  # DATA.AUTO_AUGMENT
     randaug_n: int = 2  # DATA.RANDAUG_N
     randaug_m: int = 9  # DATA.RANDAUG_M
+    randaug_mstd: float = 0.0  # DATA.RANDAUG_MSTD; > 0 (or INC): timm's
+    randaug_inc: bool = False  # DATA.RANDAUG_INC
     random_erasing: float = 0.0  # DATA.RANDOM_ERASING
 
 

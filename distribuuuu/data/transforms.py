@@ -7,6 +7,8 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from distribuuuu.data.jpeg import JpegFile, pack_channels
+from distribuuuu.data.randaugment import TimmRandAugment
+from distribuuuu.data.spec import TransformSpec
 
 # The TEST.TTA modes whose views are crops of a bigger evaluation image
 # (their views: engine/tta.py).
@@ -14,23 +16,40 @@ CROP_MODES = ("five_crop", "ten_crop")
 
 
 def auto_augment(
-    name: str, policy: str = "imagenet", num_ops: int = 2, magnitude: int = 9
+    spec: TransformSpec, policy: str = "imagenet", mean: tuple = (0.5, 0.5, 0.5)
 ) -> v2.Transform | None:
-    """The auto-augment transform ``name`` (DATA.AUTO_AUGMENT); None for none.
+    """The auto-augment transform of DATA.AUTO_AUGMENT; None for none.
 
     Args:
-        name: none | randaugment | trivialaugment | autoaugment.
+        spec: its ``auto_augment`` (none | randaugment | trivialaugment |
+            autoaugment) and RandAugment's N, M (on torchvision's 0-30 scale),
+            MSTD and INC.
         policy: AutoAugment's learned policy: imagenet | cifar10 | svhn.
-        num_ops, magnitude: RandAugment's N and M (M on its 0-30 scale).
+        mean: the data set's mean colour (0-1), which timm's RandAugment fills
+            uncovered pixels with.
 
-    Bilinear interpolation, as torchvision's classification reference uses.
-    They work on uint8 tensors or PIL images, like every step before the device.
+    randaugment is torchvision's ``v2.RandAugment`` while DATA.RANDAUG_MSTD is 0
+    and DATA.RANDAUG_INC False (the random numbers and pixels of the runs made
+    before those keys), else timm's (:class:`TimmRandAugment`).  Bilinear
+    interpolation, as torchvision's classification reference uses.  They work
+    on uint8 tensors (torchvision's on PIL images too), like every step before
+    the device.
     """
     bilinear = v2.InterpolationMode.BILINEAR
+    name = spec.auto_augment
     if name == "none":
         return None
+    if name == "randaugment" and (spec.randaug_mstd > 0 or spec.randaug_inc):
+        return TimmRandAugment(
+            spec.randaug_n,
+            spec.randaug_m,
+            magnitude_std=spec.randaug_mstd,
+            increasing=spec.randaug_inc,
+            fill=tuple(round(m * 255) for m in mean),
+            interpolation=bilinear,
+        )
     if name == "randaugment":
-        return v2.RandAugment(num_ops, magnitude, interpolation=bilinear)
+        return v2.RandAugment(spec.randaug_n, spec.randaug_m, interpolation=bilinear)
     if name == "trivialaugment":
         return v2.TrivialAugmentWide(interpolation=bilinear)
     if name == "autoaugment":

@@ -233,6 +233,8 @@ def transform_spec(cfg: CfgNode) -> TransformSpec:
         auto_augment=data.AUTO_AUGMENT,
         randaug_n=data.RANDAUG_N,
         randaug_m=data.RANDAUG_M,
+        randaug_mstd=data.RANDAUG_MSTD,
+        randaug_inc=data.RANDAUG_INC,
         random_erasing=data.RANDOM_ERASING,
     )
 

@@ -55,6 +55,9 @@ def _shrunk(path: str, out_dir: str, teacher: list[str]) -> list[str]:
     size, batch = (fixed[0], 1) if fixed else (SMALL_SIZE, 2)
     accum = 1 if fixed else min(cfg.TRAIN.ACCUM_STEPS, 2)  # still accumulates
     train_images = batch * accum * cfg.DATA.REPEATED_AUG
+    # A progressive-resizing ramp keeps its epochs, at the small size.
+    ramp = ["START_SIZE", "END_SIZE"] if cfg.TRAIN.PROGRESSIVE.START_SIZE else []
+    ramp = [v for key in ramp for v in (f"TRAIN.PROGRESSIVE.{key}", str(size))]
     return [
         *("DATA.NAME", "synthetic", "DEVICE", "cpu", "OUT_DIR", out_dir),
         *("DATA.SYNTHETIC_SIZE", f"[{train_images}, {batch}]"),
@@ -63,6 +66,7 @@ def _shrunk(path: str, out_dir: str, teacher: list[str]) -> list[str]:
         *("TRAIN.IM_SIZE", str(size), "TEST.IM_SIZE", str(size)),
         *("TEST.CROP_SIZE", "0", "TEST.CROP_PCT", "0"),
         *("TRAIN.MIXED_PRECISION", "none"),
+        *ramp,
         *teacher,
     ]
 
