@@ -234,6 +234,12 @@ def size_ramp(cfg: CfgNode) -> SizeRamp | None:
     )
 
 
+def train_sizes(cfg: CfgNode) -> int:
+    """How many training crops the run takes (TRAIN.PROGRESSIVE; else 1)."""
+    ramp = size_ramp(cfg)
+    return 1 if ramp is None else len(set(ramp.sizes(cfg.OPTIM.MAX_EPOCH)))
+
+
 def transform_spec(cfg: CfgNode) -> TransformSpec:
     """The transforms' sizes, flips, interpolations and augmentations
     (TRAIN.IM_SIZE, TRAIN.HFLIP, TEST.IM_SIZE, TEST.CROP_*, TEST.TTA's crops,
@@ -394,6 +400,7 @@ def strategy_spec(
         channels_last=model.CHANNELS_LAST,
         compile_model=model.COMPILE,
         compile_mode=model.COMPILE_MODE,
+        train_sizes=train_sizes(cfg),
         pipeline=PipelineSpec(
             stages=pipe.STAGES,
             micro_batches=pipe.MICROBATCHES or 2 * pipe.STAGES,
