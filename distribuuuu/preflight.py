@@ -32,7 +32,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.cli import is_rank_zero
 from distribuuuu.config import load_cfg
-from distribuuuu.config.validation import check_choice
+from distribuuuu.config.validation import check_choice, largest_train_size
 from distribuuuu.dist import refusal
 from distribuuuu.engine import out_dir, run_lock
 from distribuuuu.errors import ConfigError, DeferredRefusalError, OutDirInUseError
@@ -179,9 +179,11 @@ def check_input_size(cfg: CfgNode) -> None:
         return
     from distribuuuu.models.botnet import MAX_INPUT_SIZE
 
-    size = max(cfg.TRAIN.IM_SIZE, cfg.TEST.CROP_SIZE)
+    size = max(largest_train_size(cfg), cfg.TEST.CROP_SIZE)
     if size > MAX_INPUT_SIZE:
-        key = "TRAIN.IM_SIZE" if size == cfg.TRAIN.IM_SIZE else "TEST.CROP_SIZE"
+        key = "TEST.CROP_SIZE" if size == cfg.TEST.CROP_SIZE else "TRAIN.IM_SIZE"
+        if key == "TRAIN.IM_SIZE" and size != cfg.TRAIN.IM_SIZE:
+            key = "TRAIN.PROGRESSIVE.END_SIZE"
         raise ConfigError(
             f"{key} {size!r} is invalid: botnet50's position encodings cover "
             f"inputs up to {MAX_INPUT_SIZE} px"

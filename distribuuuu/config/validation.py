@@ -45,6 +45,14 @@ def progressive_end_epoch(cfg: CfgNode) -> int:
     return cfg.TRAIN.PROGRESSIVE.END_EPOCH or cfg.OPTIM.MAX_EPOCH - 1
 
 
+def largest_train_size(cfg: CfgNode) -> int:
+    """The largest training crop: TRAIN.PROGRESSIVE.END_SIZE (0: TRAIN.IM_SIZE)
+    when progressive resizing is on, TRAIN.IM_SIZE otherwise; what the
+    evaluation crop, the planner and the micro-batch probe take."""
+    ramp = cfg.TRAIN.PROGRESSIVE
+    return (ramp.START_SIZE and ramp.END_SIZE) or cfg.TRAIN.IM_SIZE
+
+
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key} {value!r} is invalid: {allowed}")
@@ -151,7 +159,7 @@ def _validate_micro_batch(cfg: CfgNode) -> None:
 
 def _validate_test(cfg: CfgNode) -> None:
     """TEST: the evaluation resize holds the evaluation crop."""
-    crop = cfg.TEST.CROP_SIZE or cfg.TRAIN.IM_SIZE
+    crop = cfg.TEST.CROP_SIZE or largest_train_size(cfg)
     if cfg.TEST.TTA in ("five_crop", "ten_crop"):
         resize = cfg.TEST.IM_SIZE
         if cfg.TEST.CROP_PCT:
@@ -169,8 +177,9 @@ def _validate_test(cfg: CfgNode) -> None:
         crop <= cfg.TEST.IM_SIZE,
         "TEST.IM_SIZE",
         cfg.TEST.IM_SIZE,
-        f"must be >= the evaluation crop {crop} (TEST.CROP_SIZE, or TRAIN.IM_SIZE "
-        "when it is 0): evaluation resizes to TEST.IM_SIZE, then centre-crops",
+        f"must be >= the evaluation crop {crop} (TEST.CROP_SIZE, or the largest "
+        "training crop when it is 0): evaluation resizes to TEST.IM_SIZE, then "
+        "centre-crops",
     )
 
 

@@ -24,7 +24,11 @@ from distribuuuu.data.jpeg import (
     read_image_fused,
     read_or_defer,
 )
-from distribuuuu.data.samplers import ExactShardSampler, build_train_sampler
+from distribuuuu.data.samplers import (
+    ExactShardSampler,
+    SeededDataset,
+    build_train_sampler,
+)
 from distribuuuu.data.shard_streams import EvalStream, ShardLoader, TrainStream
 from distribuuuu.data.shards import (
     ShardDecoder,
@@ -46,6 +50,7 @@ __all__ = [
     "DataError",
     "DataSpec",
     "ImageDataset",
+    "SeededDataset",
     "LoaderSpec",
     "TransformSpec",
     "build_dataset",
@@ -138,6 +143,7 @@ def _transform(spec: DataSpec, train: bool, views: bool = False) -> v2.Transform
             fused=spec.decoder == "fused",
         )
     native = _SMALL_IMAGES[name][0] if name in _SMALL_IMAGES else sizes.im_size
+    native = 0 if train and sizes.ramp else native  # resized to each epoch's size
     return small_image_transforms(
         train,
         im_size=sizes.im_size if train else crop,
@@ -407,25 +413,6 @@ def stack_images(images: list) -> torch.Tensor:
     return torch.stack(images)
 
 
-class SeededDataset(Dataset):
-    """Serves ``(index, seed)`` requests: seeds torch's CPU generator, then loads.
-
-    The transforms draw their randomness from torch's default generator, so a
-    sample's augmentation is fixed by its seed (cheap: about 1 us a sample).
-    """
-
-    def __init__(self, dataset: ImageDataset):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, item: tuple[int, int]):
-        index, seed = item
-        torch.default_generator.manual_seed(seed)
-        return self.dataset[index]
-
-
 def build_train_loader(
     spec: LoaderSpec,
     dataset: ImageDataset,
@@ -453,6 +440,7 @@ def build_train_loader(
             batch_size=batch_size,
             workers=spec.workers,
             buffer=spec.shuffle_buffer,
+            ramp=spec.ramp,
         )
         return ShardLoader(stream, _loader_kwargs(spec, device))
     where = dict(rank=rank, world_size=world_size, seed=seed)

@@ -69,7 +69,7 @@ class SampledLabels:
         return len(self.sampler) // self.batch_size
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = torch.tensor([index for index, _ in self.sampler], dtype=torch.int64)
+        order = torch.tensor([index for index, *_ in self.sampler], dtype=torch.int64)
         size = self.batch_size
         for start in range(0, len(self) * size, size):
             labels = self.labels[order[start : start + size]]

@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from distribuuuu.data import datasets as ds
-from distribuuuu.data.spec import LoaderSpec
+from distribuuuu.data.progressive import CropSizer, training_transform
+from distribuuuu.data.spec import LoaderSpec, SizeRamp
 
 # A sample's labels: one class, or (multi-label data) a list of classes.
 Labels = torch.Tensor | Sequence[int | Sequence[int]]
@@ -41,7 +42,7 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return ((seed * 1_000_003 + epoch) * 10_000_019 + index) % 2**63
 
 
-class ResumableTrainSampler(Sampler[tuple[int, int]]):
+class ResumableTrainSampler(Sampler[tuple[int, ...]]):
     """Shuffled, sharded training order that can start mid-epoch.
 
     Each epoch has one global order of ``size`` positions padded to a multiple
@@ -71,6 +72,8 @@ class ResumableTrainSampler(Sampler[tuple[int, int]]):
     It yields ``(index, seed)`` pairs; :class:`SeededDataset` seeds the
     augmentation of each sample with ``seed``, so augmentation depends on
     (RNG_SEED, epoch, draw, copy) only: not on workers, world size or restarts.
+    With a ``ramp`` (TRAIN.PROGRESSIVE) it yields ``(index, seed, size)``,
+    ``size`` the epoch's training crop, which the data set's transforms take.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class ResumableTrainSampler(Sampler[tuple[int, int]]):
         seed: int,
         repeats: int = 1,
         weights: torch.Tensor | None = None,
+        ramp: SizeRamp | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
@@ -89,7 +93,7 @@ class ResumableTrainSampler(Sampler[tuple[int, int]]):
         if weights is not None and weights.shape != (size,):
             raise ValueError(f"{tuple(weights.shape)} weights for {size} samples")
         self.size, self.rank, self.world_size, self.seed = size, rank, world_size, seed
-        self.repeats, self.weights = repeats, weights
+        self.repeats, self.weights, self.ramp = repeats, weights, ramp
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -109,15 +113,16 @@ class ResumableTrainSampler(Sampler[tuple[int, int]]):
             self.weights, self.size, replacement=True, generator=generator
         ).tolist()
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
         order, k = self.draws(), self.repeats
+        size = () if self.ramp is None else (self.ramp.size(self.epoch),)
         # A permutation draws each sample once: its index alone names the draw.
         once = 0 if self.weights is None else self.size
         for position in range(self.start + self.rank, self._length(), self.world_size):
             copy, draw = position % k, position // k % self.size
             index = order[draw]
             augment = sample_seed(self.seed, self.epoch * k + copy, index + once * draw)
-            yield index, augment
+            yield index, augment, *size
 
     def __len__(self) -> int:
         return len(range(self.start + self.rank, self._length(), self.world_size))
@@ -182,5 +187,35 @@ def build_train_sampler(
         weights = sample_weights(spec.sampler, labels, spec.repeat_threshold)
     size = len(dataset)  # type: ignore[arg-type]
     return ResumableTrainSampler(
-        size, rank, world_size, seed, repeats=spec.repeated_aug, weights=weights
+        size,
+        rank,
+        world_size,
+        seed,
+        repeats=spec.repeated_aug,
+        weights=weights,
+        ramp=spec.ramp,
     )
+
+
+class SeededDataset(Dataset):
+    """Serves the training sampler's requests: ``(index, seed)`` seeds torch's
+    CPU generator, then loads; ``(index, seed, size)`` (TRAIN.PROGRESSIVE)
+    first makes the data set's transforms crop ``size`` pixels.
+
+    The transforms draw their randomness from torch's default generator, so a
+    sample's augmentation is fixed by its seed (cheap: about 1 us a sample).
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+        self.resize = CropSizer(training_transform(dataset))
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, item: tuple[int, ...]):
+        index, seed, *size = item
+        if size:
+            self.resize(size[0])
+        torch.default_generator.manual_seed(seed)
+        return self.dataset[index]

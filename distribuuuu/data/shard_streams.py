@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from distribuuuu.data.batch_ring import RingLoader
+from distribuuuu.data.progressive import CropSizer
 from distribuuuu.data.samplers import sample_seed
 from distribuuuu.data.shards import (
     RawSample,
@@ -34,6 +35,7 @@ from distribuuuu.data.shards import (
     read_whole,
     shortage_message,
 )
+from distribuuuu.data.spec import SizeRamp
 from distribuuuu.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ class TrainStream(IterableDataset):
     streams.  Augmentation is seeded by (seed, epoch, sample number), as
     the samplers seed it by (seed, epoch, index): shards that make_shards
     wrote from a folder draw the crops ``DATA.NAME imagefolder`` draws.
+    With a ``ramp`` (TRAIN.PROGRESSIVE) a reader crops the epoch's size.
     """
 
     def __init__(
@@ -107,8 +110,10 @@ class TrainStream(IterableDataset):
         batch_size: int,
         workers: int,
         buffer: int,
+        ramp: SizeRamp | None = None,
     ):
         self.images, self.rank, self.world_size = images, rank, world_size
+        self.ramp, self.resize = ramp, CropSizer(images.decoder.transform)
         self.seed, self.batch_size, self.buffer = seed, batch_size, buffer
         self.workers = max(1, workers)
         # (epoch, start) in shared memory: the loader's persistent workers
@@ -216,6 +221,8 @@ class TrainStream(IterableDataset):
 
     def __iter__(self) -> Iterator[list]:
         taken = self.reader_samples(self.reader_of(_reader(self.workers)))
+        if self.ramp is not None:  # the epoch as this iteration reads it
+            self.resize(self.ramp.size(self.epoch))
 
         def seed(number: int) -> int:
             return sample_seed(self.seed, self.epoch, number)

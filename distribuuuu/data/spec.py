@@ -16,6 +16,42 @@ from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
+class SizeRamp:
+    """TRAIN.PROGRESSIVE: the training crop of each epoch, growing linearly
+    from ``start_size`` at ``start_epoch`` to ``end_size`` at ``end_epoch``
+    (both counted from 0; ``end_epoch`` resolved from 0 to the last epoch).
+
+    :meth:`size` is FFCV's schedule (ffcv-imagenet ``train_imagenet.py``,
+    ``get_resolution``): the start size up to ``start_epoch``, the end size
+    from ``end_epoch``, and between them ``np.interp`` of the epoch rounded
+    to the nearest multiple (``int(np.round(x / 32)) * 32``, ties to even,
+    as Python's ``round``); unlike FFCV's, a rounded size is clamped into
+    [start_size, end_size], so that no epoch trains beyond the end size.
+    """
+
+    start_size: int
+    end_size: int
+    start_epoch: int
+    end_epoch: int
+    multiple: int = 1
+
+    def size(self, epoch: int) -> int:
+        """The training crop of ``epoch``, in pixels: a function of it alone."""
+        if epoch <= self.start_epoch:
+            return self.start_size
+        if epoch >= self.end_epoch:
+            return self.end_size
+        done = (epoch - self.start_epoch) / (self.end_epoch - self.start_epoch)
+        linear = self.start_size + done * (self.end_size - self.start_size)
+        rounded = round(linear / self.multiple) * self.multiple
+        return min(max(rounded, self.start_size), self.end_size)
+
+    def sizes(self, epochs: int) -> list[int]:
+        """The crop of each of the first ``epochs`` epochs."""
+        return [self.size(epoch) for epoch in range(epochs)]
+
+
+@dataclass(frozen=True)
 class TransformSpec:
     """The sizes, flips, interpolations and augmentations of the transforms."""
 
@@ -34,6 +70,8 @@ class TransformSpec:
     randaug_mstd: float = 0.0  # DATA.RANDAUG_MSTD; > 0 (or INC): timm's
     randaug_inc: bool = False  # DATA.RANDAUG_INC
     random_erasing: float = 0.0  # DATA.RANDOM_ERASING
+    # TRAIN.PROGRESSIVE (im_size is then its end size); None: off
+    ramp: SizeRamp | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +109,9 @@ class LoaderSpec:
     test_batch_size: int  # TEST.BATCH_SIZE
     sampler: str = "random"  # DATA.SAMPLER: how training draws its samples
     repeat_threshold: float = 0.001  # DATA.REPEAT_THRESHOLD of repeat_factor
+    # TRAIN.PROGRESSIVE: each epoch's training crop, which the training
+    # loader's requests carry to its workers; None: off
+    ramp: SizeRamp | None = None
 
 
 class Loader(Protocol):

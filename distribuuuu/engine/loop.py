@@ -29,7 +29,12 @@ from distribuuuu.engine.losses import (
 )
 from distribuuuu.engine.micro_batch import step_out_of_memory
 from distribuuuu.engine.profiling import ProfileSpec, StepProfiler
-from distribuuuu.engine.run_log import LogSpec, TrainStatus, log_train_window
+from distribuuuu.engine.run_log import (
+    LogSpec,
+    TrainStatus,
+    log_crop_size,
+    log_train_window,
+)
 from distribuuuu.engine.state import TrainState
 from distribuuuu.logger import end_status, live_console
 from distribuuuu.optim import build as optim
@@ -73,6 +78,7 @@ def train_epoch(
     progress, plan = state.progress, state.plan
     state.model.train()
     loader.sampler.set_epoch(progress.epoch, progress.consumed)
+    log_crop_size(spec.log, progress.epoch)
     first = progress.consumed // plan.global_batch
     total = first + len(loader) // plan.accum
     meter = MetricSums(state.device, spec.log.topk)

@@ -14,6 +14,7 @@ import torch
 import torchvision
 
 from distribuuuu.data import stack_images
+from distribuuuu.data.spec import SizeRamp
 from distribuuuu.dist import group as du
 from distribuuuu.engine.numerics import all_finite, module_tensors, nonfinite_loss
 from distribuuuu.engine.state import TrainState
@@ -44,6 +45,7 @@ class LogSpec:
     decoder: str = ""  # DATA.DECODER, named in the data-bound warning
     grad_spike: float = 0.0  # LOG.GRAD_SPIKE; 0: no warning
     straggler_ratio: float = 0.0  # LOG.STRAGGLER_RATIO; 0: no slow-rank warning
+    ramp: SizeRamp | None = None  # TRAIN.PROGRESSIVE: each epoch's crop; None: off
 
 
 class TrainStatus:
@@ -74,6 +76,24 @@ class TrainStatus:
             f"lr {lr:.5f}  {img_per_s:.0f} img/s  eta {eta}",
             force=done == self.total,
         )
+
+
+def log_crop_size(spec: LogSpec, epoch: int) -> None:
+    """Log the training crop of ``epoch`` (from 0) under TRAIN.PROGRESSIVE."""
+    if spec.ramp is not None:
+        size = spec.ramp.size(epoch)
+        logger.info(
+            "train ep %d/%d: crop %d px (TRAIN.PROGRESSIVE)",
+            epoch + 1,
+            spec.max_epoch,
+            size,
+        )
+
+
+def crop_record(spec: LogSpec, epoch: int) -> dict:
+    """The training crop of ``epoch`` (from 0) for the metrics file, under
+    TRAIN.PROGRESSIVE: ``{"im_size": pixels}``; nothing otherwise."""
+    return {} if spec.ramp is None else {"im_size": spec.ramp.size(epoch)}
 
 
 def log_train_window(
@@ -129,7 +149,7 @@ def log_train_window(
         extra={STATUS_LINE: True},
     )
     record = {"split": "train", "epoch": epoch + 1, "iter": step + 1, "lr": lr}
-    record.update(speed, data_ms=1000 * data_time, **stats)
+    record.update(speed, data_ms=1000 * data_time, **stats, **crop_record(spec, epoch))
     scalars = train_scalars(stats, speed, lr, data_ms=1000 * data_time)
     state.writer.write(record, scalars, epoch * steps + step + 1)
     if not math.isfinite(stats["loss"]):

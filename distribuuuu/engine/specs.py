@@ -21,8 +21,9 @@ from yacs.config import CfgNode
 from distribuuuu import checkpoint as cp
 from distribuuuu.config import flat_cfg
 from distribuuuu.config.keys import get_key
+from distribuuuu.config.validation import largest_train_size, progressive_end_epoch
 from distribuuuu.data import eval_sizes
-from distribuuuu.data.spec import DataSpec, LoaderSpec, TransformSpec
+from distribuuuu.data.spec import DataSpec, LoaderSpec, SizeRamp, TransformSpec
 from distribuuuu.data.transforms import CROP_MODES
 from distribuuuu.engine.evaluation import EvalSpec, strategy_eval
 from distribuuuu.engine.loop import LoopSpec
@@ -136,6 +137,7 @@ def log_spec(cfg: CfgNode) -> LogSpec:
         decoder=cfg.DATA.DECODER,
         grad_spike=cfg.LOG.GRAD_SPIKE,
         straggler_ratio=cfg.LOG.STRAGGLER_RATIO,
+        ramp=size_ramp(cfg),
     )
 
 
@@ -156,11 +158,12 @@ def loop_spec(cfg: CfgNode) -> LoopSpec:
 
 
 def micro_batch_spec(cfg: CfgNode) -> MicroBatchSpec | None:
-    """What TRAIN.MICRO_BATCH auto reads (TRAIN.IM_SIZE, MODEL.NUM_CLASSES,
-    OUT_DIR); None when it is off."""
+    """What TRAIN.MICRO_BATCH auto reads (the largest training crop,
+    MODEL.NUM_CLASSES, OUT_DIR); None when it is off."""
     if cfg.TRAIN.MICRO_BATCH != "auto":
         return None
-    return MicroBatchSpec(cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, cfg.OUT_DIR)
+    size = largest_train_size(cfg)
+    return MicroBatchSpec(size, cfg.MODEL.NUM_CLASSES, cfg.OUT_DIR)
 
 
 def save_spec(cfg: CfgNode, precision: str | None = None) -> SaveSpec:
@@ -216,13 +219,34 @@ def run_eval_spec(cfg: CfgNode, state: TrainState, **more) -> EvalSpec:
 # --------------------------------------------------------------------------- #
 
 
+def size_ramp(cfg: CfgNode) -> SizeRamp | None:
+    """TRAIN.PROGRESSIVE's crop of each epoch (END_SIZE and END_EPOCH
+    resolved); None when it is off."""
+    ramp = cfg.TRAIN.PROGRESSIVE
+    if not ramp.START_SIZE:
+        return None
+    return SizeRamp(
+        start_size=ramp.START_SIZE,
+        end_size=largest_train_size(cfg),
+        start_epoch=ramp.START_EPOCH,
+        end_epoch=progressive_end_epoch(cfg),
+        multiple=ramp.MULTIPLE,
+    )
+
+
+def train_sizes(cfg: CfgNode) -> int:
+    """How many training crops the run takes (TRAIN.PROGRESSIVE; else 1)."""
+    ramp = size_ramp(cfg)
+    return 1 if ramp is None else len(set(ramp.sizes(cfg.OPTIM.MAX_EPOCH)))
+
+
 def transform_spec(cfg: CfgNode) -> TransformSpec:
     """The transforms' sizes, flips, interpolations and augmentations
     (TRAIN.IM_SIZE, TRAIN.HFLIP, TEST.IM_SIZE, TEST.CROP_*, TEST.TTA's crops,
     DATA.AUTO_AUGMENT, DATA.RANDOM_ERASING, ...)."""
     train, test, data = cfg.TRAIN, cfg.TEST, cfg.DATA
     return TransformSpec(
-        im_size=train.IM_SIZE,
+        im_size=largest_train_size(cfg),
         hflip=train.HFLIP,
         train_interpolation=train.INTERPOLATION,
         test_interpolation=test.INTERPOLATION,
@@ -236,6 +260,7 @@ def transform_spec(cfg: CfgNode) -> TransformSpec:
         randaug_mstd=data.RANDAUG_MSTD,
         randaug_inc=data.RANDAUG_INC,
         random_erasing=data.RANDOM_ERASING,
+        ramp=size_ramp(cfg),
     )
 
 
@@ -274,6 +299,7 @@ def loader_spec(cfg: CfgNode) -> LoaderSpec:
         test_batch_size=cfg.TEST.BATCH_SIZE,
         sampler=cfg.DATA.SAMPLER,
         repeat_threshold=cfg.DATA.REPEAT_THRESHOLD,
+        ramp=size_ramp(cfg),
     )
 
 
@@ -368,7 +394,7 @@ def strategy_spec(
         hsdp_shard_size=dist.HSDP.SHARD_SIZE,
         syncbn=model.SYNCBN,
         arch=model.ARCH,
-        image_size=cfg.TRAIN.IM_SIZE,
+        image_size=largest_train_size(cfg),
         batch_size=cfg.TRAIN.BATCH_SIZE,
         accum_steps=cfg.TRAIN.ACCUM_STEPS,
         clip_grad_norm=cfg.OPTIM.CLIP_GRAD_NORM,
@@ -376,6 +402,7 @@ def strategy_spec(
         channels_last=model.CHANNELS_LAST,
         compile_model=model.COMPILE,
         compile_mode=model.COMPILE_MODE,
+        train_sizes=train_sizes(cfg),
         pipeline=PipelineSpec(
             stages=pipe.STAGES,
             micro_batches=pipe.MICROBATCHES or 2 * pipe.STAGES,

@@ -29,6 +29,7 @@ from distribuuuu.config import (
     parse_yaml,
     resolve_data_name,
 )
+from distribuuuu.config.validation import largest_train_size
 from distribuuuu.data.spec import DataSpec, TransformSpec
 from distribuuuu.data.transforms import CROP_MODES
 from distribuuuu.errors import (
@@ -205,7 +206,7 @@ def eval_data_spec(cfg: CfgNode) -> DataSpec:
     files and augmentations to it)."""
     test = cfg.TEST
     transform = TransformSpec(
-        im_size=cfg.TRAIN.IM_SIZE,
+        im_size=largest_train_size(cfg),
         test_im_size=test.IM_SIZE,
         test_crop_size=test.CROP_SIZE,
         test_crop_pct=test.CROP_PCT,

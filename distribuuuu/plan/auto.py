@@ -37,6 +37,7 @@ from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.config.loading import merge_resolved
+from distribuuuu.config.validation import largest_train_size
 from distribuuuu.dist import group as du
 from distribuuuu.engine.specs import AUTO_STRATEGY, model_spec
 from distribuuuu.errors import ConfigError
@@ -179,7 +180,7 @@ def plan_here(cfg: CfgNode, info: du.LaunchInfo, device: torch.device) -> Planne
     calibration = calibrate(
         model.to(device),
         run.flops,
-        image_size=cfg.TRAIN.IM_SIZE,
+        image_size=largest_train_size(cfg),
         device=device,
         procs_per_node=info.local_world_size,
         batch=cfg.TRAIN.BATCH_SIZE,

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
+from distribuuuu.config.validation import largest_train_size
 from distribuuuu.dist.group import cpu_threads
 from distribuuuu.engine.specs import loss_spec, model_spec, strategy_spec, turned_on
 from distribuuuu.errors import ConfigError
@@ -116,7 +117,7 @@ class PaperRun:
         micro_batches = cfg.DIST.PIPELINE.MICROBATCHES
         skeleton = functools.cache(functools.partial(_skeleton, cfg))
         run = RunFacts(spec, skeleton, turned_on(cfg), micro_batches)
-        size = cfg.TRAIN.IM_SIZE
+        size = largest_train_size(cfg)
         trace = TraceSpec(
             model_spec(cfg), spec, loss_spec(cfg), size, cfg.MODEL.EMA, micro_batches
         )
@@ -162,7 +163,7 @@ class PaperRun:
             return measure_device(
                 build_configured(spec),
                 self.flops,
-                image_size=self.cfg.TRAIN.IM_SIZE,
+                image_size=largest_train_size(self.cfg),
                 device=torch.device("cpu"),
                 batch=self.cfg.TRAIN.BATCH_SIZE,
                 amp_dtype=self.amp_dtype,

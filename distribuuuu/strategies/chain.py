@@ -82,8 +82,26 @@ def wrap(strategy: Strategy, model: nn.Module) -> nn.Module:
 def compile_model(strategy: Strategy, model: nn.Module) -> nn.Module:
     """MODEL.COMPILE: the module inside the wrapper compiled in place."""
     if strategy.spec.compile_model:
-        compile_in_place(strategy.plain_model(model), strategy.spec.compile_mode)
+        spec = strategy.spec
+        compile_in_place(strategy.plain_model(model), spec.compile_mode)
+        allow_recompiles(spec.train_sizes)
     return model
+
+
+def allow_recompiles(sizes: int) -> None:
+    """Let dynamo compile a graph ``sizes`` - 1 more times than its limit
+    (``recompile_limit``, 8 in torch 2.14), beyond which it runs eagerly.
+
+    Each training crop of TRAIN.PROGRESSIVE compiles the model once more:
+    resnet8 (measured on a CPU) specializes the image size, so
+    ``torch._dynamo.mark_dynamic`` of it fails ("your code specialized it
+    to be a constant") and torch's automatic dynamic shapes compiled it
+    again at each size.
+    """
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 8 + sizes - 1)
 
 
 def compile_in_place(model: nn.Module, mode: str) -> None:

@@ -120,6 +120,9 @@ class StrategySpec:
     channels_last: bool = False
     compile_model: bool = False
     compile_mode: str = "default"
+    # TRAIN.PROGRESSIVE: the training crops of the run (1: one size), each
+    # of which MODEL.COMPILE compiles once
+    train_sizes: int = 1
     pipeline: PipelineSpec = PipelineSpec()
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
     comm_hook: CommHookSpec = CommHookSpec()
