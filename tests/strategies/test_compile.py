@@ -16,14 +16,23 @@ def _best(out: str) -> dict:
     return torch.load(os.path.join(out, "best.pth"), weights_only=True)["model"]
 
 
+# Two epochs whose training crop grows once (TRAIN.PROGRESSIVE): 20 then 28 px.
+GROWING = ["OPTIM.MAX_EPOCH", "2", "TRAIN.PROGRESSIVE.START_SIZE", "20"]
+
+
 @pytest.mark.slow
 def test_compiled_training_reaches_the_eager_accuracy(tmp_path):
+    """Also when the crop grows: the compiled model takes the new size (one
+    more compilation, not dynamo's fall back to eager)."""
     eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
-    assert_ok(train_net(*RUN, "OUT_DIR", eager))
-    result = train_net(*RUN, "MODEL.COMPILE", "True", "OUT_DIR", compiled)
+    assert_ok(train_net(*RUN, *GROWING, "OUT_DIR", eager))
+    keys = [*GROWING, "MODEL.COMPILE", "True", "OUT_DIR", compiled]
+    result = train_net(*RUN, *keys)
     assert_ok(result)
     assert "MODEL.COMPILE: torch.compile" in result.stdout
-    (a,), (b,) = read_metrics(eager, "val"), read_metrics(compiled, "val")
+    assert "crop 20 px" in result.stdout and "crop 28 px" in result.stdout
+    assert "recompile_limit" not in result.stdout + result.stderr
+    (_, a), (_, b) = read_metrics(eager, "val"), read_metrics(compiled, "val")
     assert abs(a["top1"] - b["top1"]) <= 0.3
     assert _best(compiled).keys() == _best(eager).keys()  # no _orig_mod.
 
@@ -72,3 +81,20 @@ def test_compile_in_place_compiles_the_forward_and_keeps_the_keys(monkeypatch):
     model(torch.randn(2, 3, 28, 28))
     assert counters["stats"]["unique_graphs"] >= 1  # dynamo captured the forward
     assert list(model.state_dict()) == keys
+
+
+def test_each_training_crop_may_compile_once_more():
+    """A canary of dynamo's recompile_limit, a private setting: a long
+    TRAIN.PROGRESSIVE ramp raises it by its number of sizes, so that none of
+    them falls back to eager when torch renames or drops it."""
+    import torch._dynamo
+
+    from distribuuuu.strategies.chain import allow_recompiles
+
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    try:
+        allow_recompiles(20)
+        assert config.recompile_limit >= 8 + 19
+    finally:
+        config.recompile_limit = before
