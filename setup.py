@@ -53,6 +53,8 @@ setup(
             "mlflow",
             "wandb",
             "webdataset",
+            # The multi-label metrics' reference (tests/engine/test_multilabel.py).
+            "scikit-learn",
         ],
         "timm": ["timm"],
         "deepspeed": ["deepspeed"],

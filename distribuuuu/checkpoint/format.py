@@ -42,6 +42,11 @@ _TRACKER_RUN_ID = re.compile(r"[\w-]{1,128}")
 # The entries of a run's progress and of its batch plan (the plan's global batch
 # is saved too, as a check).
 PROGRESS_KEYS = ("epoch", "consumed", "best_top1", "seed", "best_ema_top1")
+
+# Weights files name the training loss (MODEL.LOSS) under this key; it says
+# whether their logits are a softmax's (ce) or independent sigmoids' (bce, asl).
+LOSS_KEY = "loss"
+SAVED_LOSSES = ("ce", "bce", "asl")
 PLAN_KEYS = ("batch_per_rank", "accum", "world_size", "lr_scale")
 
 
@@ -277,21 +282,34 @@ def best_weights(
     model: dict,
     *,
     epoch: int,
-    top1: float,
+    score: tuple[str, float],
     classes: list[str],
     arch: str,
     config_dump: str,
+    loss: str = "ce",
 ) -> dict:
     """The contents of ``best.pth``: weights with what inference needs
-    (``config_dump``: the run's config as yaml text)."""
+    (``config_dump``: the run's config as yaml text; ``loss``: MODEL.LOSS,
+    which says how its logits become probabilities, under LOSS_KEY) and
+    the ``score`` (metric, value) that made them best: ``"top1"`` or
+    ``"map"``."""
+    metric, value = score
     return {
         MODEL: model,
         "epoch": epoch,
-        "top1": top1,
+        metric: value,
         "arch": arch,
         "classes": classes,
         "cfg": config_dump,
+        LOSS_KEY: loss,
     }
+
+
+def saved_loss(ckpt: dict) -> str:
+    """MODEL.LOSS of the run that wrote ``ckpt``: files from before the key
+    was recorded were all trained with softmax cross-entropy."""
+    value = ckpt.get(LOSS_KEY, "ce")
+    return value if value in SAVED_LOSSES else "ce"
 
 
 def averaged_weights(model: dict, newest: dict, sources: list[str]) -> dict:
@@ -299,7 +317,9 @@ def averaged_weights(model: dict, newest: dict, sources: list[str]) -> dict:
     source checkpoint's architecture, classes, config and epoch, and the
     names of the ``sources`` averaged (no top-1: nothing evaluated it)."""
     kept = {
-        key: newest[key] for key in ("epoch", "arch", "classes", "cfg") if key in newest
+        key: newest[key]
+        for key in ("epoch", "arch", "classes", "cfg", LOSS_KEY)
+        if key in newest
     }
     return {MODEL: model, **kept, "averaged_from": sources}
 

@@ -57,8 +57,8 @@ _C.MODEL.DROP_PATH = -1.0
 # al. 2021, for multi-label data). Multi-label data (TRAIN.LABELS_FILE,
 # mnist5k_pairs) needs bce or asl
 _C.MODEL.LOSS = "ce"
-# bce and asl: targets of mixed batches at or above this become 1, the others 0
-# (timm's bce_target_thresh; RSB uses 0.2); 0 = off, the soft targets
+# bce and asl: targets (after mixing and smoothing) above this become 1, the
+# others 0 (timm's bce_target_thresh; RSB uses 0.2); 0 = off, the soft targets
 _C.MODEL.BCE_THRESHOLD = 0.0
 # asl: the focusing exponent of the negatives (4 in Ridnik et al. 2021)
 _C.MODEL.ASL_GAMMA_NEG = 4.0
@@ -273,7 +273,8 @@ _C.TRAIN.TOPK = 5
 # Profiler plugin) and logs its top operators and its share of waiting for data
 _C.TRAIN.PROFILE_STEPS = 0
 # Label smoothing of the training loss (0 = off; 0.1 in Szegedy et al. 2016 and
-# DeiT); evaluation reports the plain cross-entropy
+# DeiT): targets become (1 - eps) x target + eps / classes, under MODEL.LOSS bce
+# and asl too (timm's BinaryCrossEntropy); evaluation reports the plain loss
 _C.TRAIN.LABEL_SMOOTHING = 0.0
 # Mixup of the training batch: alpha of its Beta(alpha, alpha) mixing weight (0 =
 # off; DeiT uses 0.8). The loss uses the mixed (soft) targets; train top-1 and

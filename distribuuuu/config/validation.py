@@ -184,11 +184,19 @@ def _validate_test(cfg: CfgNode) -> None:
 
 
 def _validate_distill(cfg: CfgNode) -> None:
-    """TRAIN.DISTILL: a teacher's architecture with its weights."""
+    """TRAIN.DISTILL: a teacher's architecture with its weights, and a
+    softmax student (its terms compare distributions over the classes)."""
     distill = cfg.TRAIN.DISTILL
     if not (distill.ARCH or distill.WEIGHTS):
         return
     _check(bool(distill.ARCH), "TRAIN.DISTILL.ARCH", "", "must name the teacher")
+    _check(
+        cfg.MODEL.LOSS == "ce",
+        "TRAIN.DISTILL.ARCH",
+        distill.ARCH,
+        f"distils softmax distributions (KL or argmax), which MODEL.LOSS "
+        f"{cfg.MODEL.LOSS} does not train: use MODEL.LOSS ce or no teacher",
+    )
     if not os.path.isfile(distill.WEIGHTS):
         raise ConfigError(
             f"TRAIN.DISTILL.WEIGHTS: no such file {distill.WEIGHTS!r} (the "

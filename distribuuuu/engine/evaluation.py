@@ -14,13 +14,13 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from distribuuuu import checkpoint as cp
 from distribuuuu.data import empty_batch
 from distribuuuu.data.spec import Loader
 from distribuuuu.dist import group as du
+from distribuuuu.engine.sigmoid_losses import SigmoidLoss, score_loss_sum
 from distribuuuu.engine.state import TrainState
 from distribuuuu.engine.tta import tta_logits
 from distribuuuu.logger import end_status, live_console, set_status
@@ -31,6 +31,7 @@ from distribuuuu.reporting.meters import (
     PeakMemory,
     progress_bar,
 )
+from distribuuuu.reporting.multilabel import LabelScores
 from distribuuuu.strategies.precision import autocast
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,43 @@ class EvalSpec:
     counted: bool = True  # this process's forward passes return logits to count
     tta: str = "none"  # TEST.TTA: the views whose logits are averaged
     crop: int = 0  # the crop of TEST.TTA five_crop / ten_crop
+    loss: SigmoidLoss | None = None  # MODEL.LOSS bce / asl; None: ce
+    multi_label: bool = False  # label sets: mAP and F1 instead of top-k
+    threshold: float = 0.5  # TEST.THRESHOLD: a class is predicted at or above
+
+
+class LabelCounts:
+    """Single-label evaluation's sums: loss, top-1 / top-k hits, samples and
+    the confusion matrix (reduced over all ranks when read)."""
+
+    def __init__(self, spec: EvalSpec):
+        self.sums = MetricSums(spec.device, spec.topk)
+        self.confusion = ConfusionMatrix(spec.device, spec.num_classes)
+
+    def update(self, loss_sum, logits: torch.Tensor, targets: torch.Tensor):
+        """Add a batch (``loss_sum``: its summed loss)."""
+        self.sums.update(loss_sum, logits, targets)
+        self.confusion.update(logits, targets)
+
+    def reduce(self) -> tuple[dict, torch.Tensor]:
+        """Metrics and confusion matrix over all ranks (a collective)."""
+        return self.sums.reduce(), self.confusion.reduce()
+
+
+class MultiLabelCounts:
+    """Multi-label evaluation: :class:`LabelScores` of the sigmoid
+    probabilities; no confusion matrix (an empty one stands for it)."""
+
+    def __init__(self, spec: EvalSpec):
+        self.scores = LabelScores(spec.device, spec.num_classes, spec.threshold)
+
+    def update(self, loss_sum, logits: torch.Tensor, targets: torch.Tensor):
+        """Add a batch (``loss_sum``: its summed loss)."""
+        self.scores.update(loss_sum, torch.sigmoid(logits.float()), targets)
+
+    def reduce(self) -> tuple[dict, torch.Tensor]:
+        """Metrics over all ranks (a collective) and an empty matrix."""
+        return self.scores.reduce(), torch.zeros(0, 0, dtype=torch.int64)
 
 
 def strategy_eval(strategy, model: nn.Module) -> dict:
@@ -69,12 +107,14 @@ def evaluate(
     every sample once, sums reduced over all processes.
 
     Returns loss (mean), top1 and topk (percent) and the number of samples,
-    and the confusion matrix (on the CPU).
+    and the confusion matrix (on the CPU); for multi-label data loss, map,
+    f1_micro, f1_macro, per_class_ap (percent) and samples, and an empty
+    matrix.  The loss is the run's plain loss (MODEL.LOSS, unsmoothed).
     """
     model.eval()
     device, normalize = spec.device, spec.normalize
-    sums = MetricSums(device, spec.topk)
-    confusion = ConfusionMatrix(device, spec.num_classes)
+    counts = MultiLabelCounts(spec) if spec.multi_label else LabelCounts(spec)
+    sigmoid = spec.loss is not None
     iters = min(len(loader), spec.max_iters or len(loader))
     # Forward passes this rank must add on empty batches to match the others.
     missing = du.all_reduce_max_int(iters) - iters if spec.collective else 0
@@ -85,12 +125,11 @@ def evaluate(
         images = normalize(images)
         targets = targets.to(device, non_blocking=True)
         with autocast(device, spec.amp_dtype):
-            logits = tta_logits(model, images, spec.tta, spec.crop)
+            logits = tta_logits(model, images, spec.tta, spec.crop, sigmoid)
             if spec.counted:
-                loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+                loss_sum = score_loss_sum(logits, targets, spec.loss)
         if spec.counted:
-            sums.update(loss_sum, logits, targets)
-            confusion.update(logits, targets)
+            counts.update(loss_sum, logits, targets)
         if live:
             bar = progress_bar(it + 1, iters)
             set_status(f"val {bar} {it + 1}/{iters}", force=it == 0)
@@ -102,7 +141,7 @@ def evaluate(
             with autocast(device, spec.amp_dtype):
                 model(empty)
     end_status(keep=False)
-    return sums.reduce(), confusion.reduce()
+    return counts.reduce()
 
 
 def recompute_bn(state: TrainState, loader: Loader, batches: int) -> None:

@@ -1,4 +1,7 @@
-"""The training loss: Mixup / CutMix of the batch, label smoothing, cross-entropy.
+"""The training loss: Mixup / CutMix of the batch, label smoothing, cross-entropy
+(softmax, or a sigmoid per class: :mod:`distribuuuu.engine.sigmoid_losses`).
+
+Mixup and CutMix mix multi-hot targets (N x C) as they mix one-hot ones.
 
 Mixing happens on the device, after the copy of the micro-batch: a few
 element-wise operations on tensors already there, instead of work in every
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 
 from distribuuuu.data.samplers import sample_seed
+from distribuuuu.engine.sigmoid_losses import SigmoidLoss, dense_targets
 
 # Flipped in a sample seed to make a mixing seed: the two sets of seeds never
 # meet (they would need sample seeds exactly 2**62 apart).
@@ -108,7 +112,9 @@ class TrainLoss:
     """Mixes a training micro-batch and computes its loss.
 
     Without mixing and label smoothing it is ``F.cross_entropy(logits,
-    targets)``, bit for bit.
+    targets)``, bit for bit.  With ``sigmoid`` (MODEL.LOSS bce or asl) it is
+    that loss against dense targets (:func:`dense_targets`: one-hot, smoothed,
+    binarized above ``threshold``), averaged over the batch.
     """
 
     def __init__(
@@ -117,11 +123,15 @@ class TrainLoss:
         label_smoothing: float = 0.0,
         mixer: v2.Transform | None = None,
         distillation: Distillation | None = None,
+        sigmoid: SigmoidLoss | None = None,
+        threshold: float = 0.0,
     ):
         self.num_classes = num_classes
         self.label_smoothing = label_smoothing
         self.mixer = mixer
         self.distillation = distillation
+        self.sigmoid = sigmoid
+        self.threshold = threshold
 
     def mix(
         self, images: torch.Tensor, targets: torch.Tensor, seed: int
@@ -159,6 +169,12 @@ class TrainLoss:
         and cross-entropy are linear in the target, the loss of a mixed batch
         is the mixture of the smoothed losses of its two labels.
         """
+        if self.sigmoid is not None:  # distillation is refused with it
+            assert not isinstance(targets, Distilled)
+            dense = dense_targets(
+                targets, self.num_classes, self.label_smoothing, self.threshold
+            )
+            return self.sigmoid.per_sample(logits, dense).mean()
         if not isinstance(targets, Distilled):
             return F.cross_entropy(
                 logits, targets, label_smoothing=self.label_smoothing
@@ -183,6 +199,8 @@ class LossSpec:
     mix_prob: float = 1.0  # the share of batches mixed at all
     switch_prob: float = 0.5  # with both on: the share mixed by CutMix
     distillation: Distillation | None = None  # None: no teacher
+    sigmoid: SigmoidLoss | None = None  # MODEL.LOSS bce / asl; None: ce
+    threshold: float = 0.0  # MODEL.BCE_THRESHOLD (sigmoid losses); 0: off
 
 
 def build_train_loss(spec: LossSpec) -> TrainLoss:
@@ -199,4 +217,6 @@ def build_train_loss(spec: LossSpec) -> TrainLoss:
         label_smoothing=spec.label_smoothing,
         mixer=mixer,
         distillation=spec.distillation,
+        sigmoid=spec.sigmoid,
+        threshold=spec.threshold,
     )

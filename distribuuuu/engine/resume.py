@@ -38,6 +38,7 @@ class SaveSpec:
     arch: str  # MODEL.ARCH
     config_dump: str  # the run's config as yaml text
     retention: cp.Retention = cp.Retention()
+    loss: str = "ce"  # MODEL.LOSS, recorded in the best weights
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,13 @@ import torchvision
 from distribuuuu.data import stack_images
 from distribuuuu.data.spec import SizeRamp
 from distribuuuu.dist import group as du
+from distribuuuu.engine.label_set_log import (
+    eval_scalars,
+    is_label_set_evaluation,
+    log_label_set_checkpoint,
+    log_per_class_ap,
+    metrics_text,
+)
 from distribuuuu.engine.numerics import all_finite, module_tensors, nonfinite_loss
 from distribuuuu.engine.state import TrainState
 from distribuuuu.logger import STATUS_LINE, set_status
@@ -314,7 +321,8 @@ def log_evaluation(
     peaks: dict[str, list[float]],
 ) -> None:
     """Log the evaluation after epoch ``progress.epoch`` (1-based): a line, a
-    record, scalars, the confusion matrix and per-class histogram.
+    record, scalars, the confusion matrix and per-class histogram (for label
+    sets mAP, F1 and the AP of each class instead).
 
     ``split``: "val", or "val_ema" for the EMA's weights (no memory scalars);
     ``best``: the best top-1 so far; ``peaks``: this rank's peak memory (MiB)
@@ -323,35 +331,35 @@ def log_evaluation(
     epoch = state.progress.epoch
     train_peak, eval_peak, memory = gather_peaks(peaks)
     logger.info(
-        "%s ep %d/%d  loss %.4f  top1 %.2f  top%d %.2f  samples %d  best %.2f  "
+        "%s ep %d/%d  loss %.4f  %s  samples %d  best %.2f  "
         "peak memory train %.0f / eval %.0f MiB",
         split,
         epoch,
         spec.max_epoch,
         stats["loss"],
-        stats["top1"],
-        spec.topk,
-        stats["topk"],
+        metrics_text(stats, spec.topk),
         stats["samples"],
         best,
         max(train_peak),
         max(eval_peak),
     )
-    per_class = per_class_top1(confusion)
     record = {"split": split, "epoch": epoch, "world_size": state.plan.world_size}
     record.update(
         stats,
         peak_mem_mb=memory,
         train_peak_mem_mb=train_peak,
         eval_peak_mem_mb=eval_peak,
-        per_class_top1=per_class,
     )
-    scalars = {f"{split}/{key}": stats[key] for key in ("loss", "top1", "topk")}
+    scalars = eval_scalars(stats, split)
     if split == "val":  # the EMA's evaluation is logged in its record only
         scalars["memory/peak_mb"] = max(memory)
         scalars["memory/train_peak_mb"] = max(train_peak)
         scalars["memory/eval_peak_mb"] = max(eval_peak)
-    log_per_class(state, confusion, per_class, split, scalars)
+    if is_label_set_evaluation(stats):
+        log_per_class_ap(state, stats, split, scalars)
+    else:
+        record["per_class_top1"] = per_class = per_class_top1(confusion)
+        log_per_class(state, confusion, per_class, split, scalars)
     state.writer.write(record, scalars, epoch)
 
 
@@ -388,7 +396,10 @@ def log_checkpoint_evaluation(
 ) -> list[str]:
     """Report ``--eval-only``'s evaluation of ``weights``: a log line, the
     per-class top-1 (rank 0 writes it and the confusion matrix to
-    ``out_dir``) and a metrics.jsonl record; the paths written."""
+    ``out_dir``) and a metrics.jsonl record; the paths written.  Label sets:
+    :func:`log_label_set_checkpoint`."""
+    if is_label_set_evaluation(stats):
+        return log_label_set_checkpoint(out_dir, weights, stats, classes, world_size)
     logger.info(
         "eval %s  loss %.4f  top1 %.2f  top%d %.2f  samples %d",
         weights,

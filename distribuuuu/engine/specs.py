@@ -21,7 +21,11 @@ from yacs.config import CfgNode
 from distribuuuu import checkpoint as cp
 from distribuuuu.config import flat_cfg
 from distribuuuu.config.keys import get_key
-from distribuuuu.config.validation import largest_train_size, progressive_end_epoch
+from distribuuuu.config.validation import (
+    is_multi_label,
+    largest_train_size,
+    progressive_end_epoch,
+)
 from distribuuuu.data import eval_sizes
 from distribuuuu.data.spec import DataSpec, LoaderSpec, SizeRamp, TransformSpec
 from distribuuuu.data.transforms import CROP_MODES
@@ -32,6 +36,7 @@ from distribuuuu.engine.micro_batch import MicroBatchSpec
 from distribuuuu.engine.profiling import ProfileSpec
 from distribuuuu.engine.resume import ResumeSpec, SaveSpec
 from distribuuuu.engine.run_log import LogSpec
+from distribuuuu.engine.sigmoid_losses import SIGMOID_LOSSES, SigmoidLoss
 from distribuuuu.engine.state import BatchPlan, TrainState
 from distribuuuu.inference.read import eval_data_spec
 from distribuuuu.models.spec import ModelSpec
@@ -93,8 +98,9 @@ def eval_spec(
     amp_dtype: torch.dtype | None = None,
     **more,
 ) -> EvalSpec:
-    """How to evaluate (TRAIN.TOPK, MODEL.NUM_CLASSES, TEST.PRINT_FREQ,
-    TEST.TTA); ``more``: further fields of :class:`EvalSpec`."""
+    """How to evaluate (TRAIN.TOPK, MODEL.NUM_CLASSES, MODEL.LOSS,
+    TEST.PRINT_FREQ, TEST.TTA, TEST.THRESHOLD; label sets or not); ``more``:
+    further fields of :class:`EvalSpec`."""
     classes = cfg.MODEL.NUM_CLASSES
     return EvalSpec(
         device,
@@ -105,12 +111,26 @@ def eval_spec(
         amp_dtype=amp_dtype,
         tta=cfg.TEST.TTA,
         crop=eval_sizes(transform_spec(cfg))[1],
+        loss=sigmoid_loss(cfg),
+        multi_label=is_multi_label(cfg),
+        threshold=cfg.TEST.THRESHOLD,
         **more,
     )
 
 
+def sigmoid_loss(cfg: CfgNode) -> SigmoidLoss | None:
+    """MODEL.LOSS bce / asl with MODEL.ASL_*; None for ce."""
+    model = cfg.MODEL
+    if model.LOSS not in SIGMOID_LOSSES:
+        return None
+    return SigmoidLoss(
+        model.LOSS, model.ASL_GAMMA_NEG, model.ASL_GAMMA_POS, model.ASL_CLIP
+    )
+
+
 def loss_spec(cfg: CfgNode) -> LossSpec:
-    """The training loss: TRAIN.LABEL_SMOOTHING, Mixup / CutMix, TRAIN.DISTILL."""
+    """The training loss: MODEL.LOSS (and BCE_THRESHOLD, ASL_*),
+    TRAIN.LABEL_SMOOTHING, Mixup / CutMix, TRAIN.DISTILL."""
     train, distill = cfg.TRAIN, cfg.TRAIN.DISTILL
     distillation = None
     if distill.ARCH:
@@ -123,6 +143,8 @@ def loss_spec(cfg: CfgNode) -> LossSpec:
         mix_prob=train.MIX_PROB,
         switch_prob=train.MIX_SWITCH_PROB,
         distillation=distillation,
+        sigmoid=sigmoid_loss(cfg),
+        threshold=cfg.MODEL.BCE_THRESHOLD,
     )
 
 
@@ -179,6 +201,7 @@ def save_spec(cfg: CfgNode, precision: str | None = None) -> SaveSpec:
         arch=cfg.MODEL.ARCH,
         config_dump=config_dump(cfg, precision),
         retention=retention,
+        loss=cfg.MODEL.LOSS,
     )
 
 

@@ -33,7 +33,7 @@ from distribuuuu.data.spec import Loader
 from distribuuuu.dist import group as du
 from distribuuuu.dist.watchdog import Watchdog
 from distribuuuu.engine import specs
-from distribuuuu.engine.best import keep_best
+from distribuuuu.engine.best import keep_best, log_hparams
 from distribuuuu.engine.evaluation import evaluate, evaluate_epoch, weights_to_evaluate
 from distribuuuu.engine.loop import StopRequest, end_stopped_run, train_epoch
 from distribuuuu.engine.micro_batch import MicroBatchFit, split_keys
@@ -52,6 +52,7 @@ from distribuuuu.plan import auto
 from distribuuuu.plan.flops import FlopMeter
 from distribuuuu.reporting import reports
 from distribuuuu.reporting.meters import PeakMemory
+from distribuuuu.reporting.multilabel import headline_metric
 from distribuuuu.reporting.remote_trackers import build_trackers
 from distribuuuu.reporting.trackers import FAILED, FINISHED, KILLED
 from distribuuuu.reporting.writer import MetricsWriter
@@ -152,12 +153,13 @@ def dry_run(cfg: CfgNode) -> dict:
         }
         logger.info(
             "dry run passed: built in %.1f s, a training step %.2f s, one "
-            "evaluation batch %.2f s (top1 %.2f on %d images), peak memory "
+            "evaluation batch %.2f s (%s %.2f on %d images), peak memory "
             "%.0f MiB per process; nothing was written",
             timings["build_s"],
             timings["train_step_s"],
             timings["eval_batch_s"],
-            stats["top1"],
+            headline_metric(stats),
+            stats[headline_metric(stats)],
             stats["samples"],
             memory,
         )
@@ -417,7 +419,7 @@ def train_epochs(
     if not stats:
         logger.info("nothing to do: %d epochs already done", progress.epoch)
         return stats
-    log_hparams(cfg, state, stats)
+    log_hparams(state, specs.run_params(cfg, state.strategy.spec.precision), stats)
     return stats
 
 
@@ -449,20 +451,6 @@ def evaluate_and_keep_best(
     log, save = specs.log_spec(cfg), specs.save_spec(cfg, precision)
     keep_best(log, save, state, stats, confusion, ema=ema, peaks=peaks)
     return stats
-
-
-def log_hparams(cfg: CfgNode, state: TrainState, stats: dict) -> None:
-    """The run's config beside its final scores, for tensorboard's HParams."""
-    params = specs.run_params(cfg, state.strategy.spec.precision)
-    hparams = {key: value for key, value in params.items() if key != "OUT_DIR"}
-    final = {
-        "hparam/best_top1": state.progress.best_top1,
-        "hparam/top1": stats["top1"],
-        "hparam/loss": stats["loss"],
-    }
-    if state.ema is not None:
-        final["hparam/best_ema_top1"] = state.progress.best_ema_top1
-    state.writer.hparams(hparams, final)
 
 
 def evaluate_checkpoint(cfg: CfgNode) -> dict:

@@ -6,7 +6,8 @@ crops and the centre crop of TEST.CROP_SIZE from the evaluation image, which
 is then resized and cropped square to the evaluation resize instead;
 ``ten_crop`` those five and their mirrors.  The views of a batch go through
 the model as one batch, so a sharded model runs one forward per batch as
-without TTA, and each sample is still counted once.
+without TTA, and each sample is still counted once.  Runs of a sigmoid loss
+(MODEL.LOSS bce, asl) average the views' sigmoid probabilities instead.
 """
 
 from __future__ import annotations
@@ -33,13 +34,26 @@ def views(images: torch.Tensor, mode: str, crop: int) -> list[torch.Tensor]:
     return crops
 
 
-def tta_logits(model: nn.Module, images: torch.Tensor, mode: str, crop: int):
+def tta_logits(
+    model: nn.Module,
+    images: torch.Tensor,
+    mode: str,
+    crop: int,
+    sigmoid: bool = False,
+):
     """``model``'s logits of ``images`` averaged over the views of ``mode``
-    (None where the model returns none: a pipeline's earlier stages)."""
+    (None where the model returns none: a pipeline's earlier stages).
+
+    ``sigmoid``: the logits whose sigmoid is the views' mean probability
+    (the views' probabilities averaged, per class)."""
     if mode == "none":
         return model(images)
     seen = views(images, mode, crop)
     logits = model(torch.cat(seen))
     if logits is None:
         return None
-    return logits.unflatten(0, (len(seen), images.shape[0])).mean(0)
+    logits = logits.unflatten(0, (len(seen), images.shape[0]))
+    if not sigmoid:
+        return logits.mean(0)
+    mean = torch.sigmoid(logits.float()).mean(0)
+    return torch.logit(mean, eps=1e-7).to(logits.dtype)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from distribuuuu import checkpoint as cp
+from distribuuuu.checkpoint.format import SAVED_LOSSES
 from distribuuuu.config import CHOICES, DATA_NAMES
 from distribuuuu.data import build_normalizer, build_test_transform, eval_sizes
 from distribuuuu.data.spec import DataSpec, TransformSpec
@@ -64,6 +65,8 @@ class OnnxMetadata:
     decoder: str  # DATA.DECODER: how image files are read
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    loss: str = "ce"  # MODEL.LOSS: softmax logits (ce) or sigmoid ones
+    threshold: float = 0.5  # TEST.THRESHOLD: sigmoid labels predicted at or above
 
     @classmethod
     def from_spec(cls, spec: InferenceSpec, classes: list[str]) -> OnnxMetadata:
@@ -81,6 +84,8 @@ class OnnxMetadata:
             decoder=data.decoder,
             mean=normalizer.mean,
             std=normalizer.std,
+            loss=spec.loss,
+            threshold=spec.threshold,
         )
 
     def to_props(self) -> dict[str, str]:
@@ -95,6 +100,8 @@ class OnnxMetadata:
             "decoder": self.decoder,
             "mean": json.dumps(list(self.mean)),
             "std": json.dumps(list(self.std)),
+            "loss": self.loss,
+            "threshold": repr(self.threshold),
         }
         return {_PREFIX + key: value for key, value in values.items()}
 
@@ -103,6 +110,9 @@ class OnnxMetadata:
         """Read and check the entries of an untrusted file; an OnnxError names
         the first bad one."""
         reader = _PropsReader(props, path)
+        # Files exported before the loss was recorded hold softmax models.
+        loss = reader.choice("loss", SAVED_LOSSES) if reader.has("loss") else "ce"
+        has_threshold = reader.has("threshold")
         return cls(
             arch=reader.name("arch"),
             classes=tuple(reader.classes()),
@@ -113,6 +123,8 @@ class OnnxMetadata:
             decoder=reader.choice("decoder", _DECODERS),
             mean=reader.triple("mean", low=-1e3),
             std=reader.triple("std", low=1e-6),
+            loss=loss,
+            threshold=reader.probability("threshold") if has_threshold else 0.5,
         )
 
     def data_spec(self) -> DataSpec:
@@ -178,6 +190,19 @@ class _PropsReader:
         if not (value and _is_name(value)):
             raise self.fail(key, f"{value[:40]!r} is not a short printable name")
         return value
+
+    def has(self, key: str) -> bool:
+        return _PREFIX + key in self.props
+
+    def probability(self, key: str) -> float:
+        value = self.text(key)
+        try:
+            number = float(value[:40])
+        except ValueError:
+            number = math.nan
+        if not 0 < number < 1:
+            raise self.fail(key, f"{value[:40]!r} is not a number in (0, 1)")
+        return number
 
     def choice(self, key: str, choices: tuple[str, ...]) -> str:
         value = self.text(key)

@@ -1,4 +1,6 @@
-"""Classify image files with trained weights: the top-k classes of each image.
+"""Classify image files with trained weights: the top-k classes of each image
+(models of a sigmoid loss, MODEL.LOSS bce or asl: every class whose
+probability reaches TEST.THRESHOLD).
 
 The model, its classes and the evaluation transforms come from the cfg saved
 in the weights file (see :mod:`distribuuuu.inference.read`), or from the metadata
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -58,6 +61,23 @@ def top_classes(
     return probabilities.topk(min(topk, probabilities.shape[1]), dim=1)
 
 
+def labels_above(
+    model: nn.Module | Callable[[torch.Tensor], torch.Tensor],
+    images: torch.Tensor,
+    threshold: float,
+) -> list[list[tuple[int, float]]]:
+    """The labels of each image of a sigmoid model (MODEL.LOSS bce, asl):
+    every class whose probability is at or above ``threshold``, most
+    probable first (none where no class reaches it)."""
+    with torch.no_grad():
+        probabilities = torch.sigmoid(model(images).float())
+    found = []
+    for row in probabilities.tolist():
+        above = [(i, p) for i, p in enumerate(row) if p >= threshold]
+        found.append(sorted(above, key=lambda pair: -pair[1]))
+    return found
+
+
 def format_line(path: str, top: list[tuple[str, float]], as_json: bool) -> str:
     """One output line: ``path  name (prob)  ...``, or a JSON object."""
     if as_json:
@@ -96,9 +116,8 @@ def classify_images(
     def classify(images: torch.Tensor) -> torch.Tensor:
         return model(images.to(target))
 
-    yield from _classify(
-        classify, read, transform, classes, paths, topk=topk, batch_size=batch_size
-    )
+    shown = Shown(topk, sigmoid_threshold(spec.loss, spec.threshold))
+    yield from _classify(classify, (read, transform), classes, paths, shown, batch_size)
 
 
 def classify_images_onnx(
@@ -114,25 +133,43 @@ def classify_images_onnx(
     def classify(images: torch.Tensor) -> torch.Tensor:
         return run_session(session, images)
 
-    classes = metadata.classes
-    yield from _classify(
-        classify, read, transform, classes, paths, topk=topk, batch_size=batch_size
-    )
+    shown = Shown(topk, sigmoid_threshold(metadata.loss, metadata.threshold))
+    pipeline = (read, transform)
+    yield from _classify(classify, pipeline, metadata.classes, paths, shown, batch_size)
+
+
+class Shown(NamedTuple):
+    """What predict prints of an image: its ``topk`` classes, or with
+    ``threshold`` (a sigmoid model's) every label at or above it."""
+
+    topk: int
+    threshold: float | None
+
+
+def sigmoid_threshold(loss: str, threshold: float) -> float | None:
+    """TEST.THRESHOLD for a model of a sigmoid loss (bce, asl); None for ce."""
+    return None if loss == "ce" else threshold
 
 
 def _classify(
     classify: Callable[[torch.Tensor], torch.Tensor],
-    read: Callable,
-    transform: Callable,
+    pipeline: tuple[Callable, Callable],
     classes: list[str] | tuple[str, ...],
     paths: list[str],
-    *,
-    topk: int,
+    shown: Shown,
     batch_size: int,
 ) -> Iterator[tuple[str, list[tuple[str, float]]]]:
-    """Read, transform and classify ``paths`` in batches; yield the top classes."""
+    """Read and transform (``pipeline``) and classify ``paths`` in batches;
+    yield what ``shown`` asks of each."""
+    read, transform = pipeline
+    topk, threshold = shown
     for chunk in batches(paths, batch_size):
         images = torch.stack([transform(read(path)) for path in chunk])
+        if threshold is not None:
+            found = labels_above(classify, images, threshold)
+            for path, labels_of in zip(chunk, found):
+                yield path, [(classes[i], p) for i, p in labels_of]
+            continue
         probabilities, labels = top_classes(classify, images, topk)
         for path, probs, ids in zip(chunk, probabilities.tolist(), labels.tolist()):
             yield path, [(classes[i], p) for i, p in zip(ids, probs)]

@@ -10,6 +10,7 @@ turns it into (an :class:`InferenceSpec`, plain values).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 from dataclasses import dataclass
@@ -20,7 +21,12 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as cp
-from distribuuuu.checkpoint.format import holds_optimizer, model_weights
+from distribuuuu.checkpoint.format import (
+    LOSS_KEY,
+    holds_optimizer,
+    model_weights,
+    saved_loss,
+)
 from distribuuuu.config import (
     diff_from_defaults,
     get_cfg,
@@ -234,6 +240,8 @@ class InferenceSpec:
 
     arch: str  # MODEL.ARCH
     data: DataSpec  # its num_classes is MODEL.NUM_CLASSES
+    loss: str = "ce"  # MODEL.LOSS: softmax logits (ce) or a sigmoid per class
+    threshold: float = 0.5  # TEST.THRESHOLD: sigmoid labels predicted at or above
 
     @property
     def num_classes(self) -> int:
@@ -242,7 +250,12 @@ class InferenceSpec:
 
 def inference_spec(cfg: CfgNode) -> InferenceSpec:
     """The inference spec of ``cfg`` (see :func:`inference_cfg`)."""
-    return InferenceSpec(arch=cfg.MODEL.ARCH, data=eval_data_spec(cfg))
+    return InferenceSpec(
+        arch=cfg.MODEL.ARCH,
+        data=eval_data_spec(cfg),
+        loss=cfg.MODEL.LOSS,
+        threshold=cfg.TEST.THRESHOLD,
+    )
 
 
 def class_names(ckpt: Checkpoint, num_classes: int) -> list[str]:
@@ -270,4 +283,7 @@ def load_for_inference(
     ckpt = read_checkpoint(path)
     cfg = inference_cfg(ckpt, cfg_file, opts)
     model = build_inference_model(ckpt, cfg)
-    return model, inference_spec(cfg), class_names(ckpt, cfg.MODEL.NUM_CLASSES)
+    spec = inference_spec(cfg)
+    if ckpt.get(LOSS_KEY) is not None:  # the weights' own record wins
+        spec = dataclasses.replace(spec, loss=saved_loss(ckpt.state))
+    return model, spec, class_names(ckpt, cfg.MODEL.NUM_CLASSES)

@@ -14,9 +14,13 @@ from distribuuuu.dist import group as du
 
 
 def topk_correct(logits: torch.Tensor, targets: torch.Tensor, ks: tuple[int, ...]):
-    """Number of samples whose target is among the top-k logits, for each k."""
+    """Number of samples whose target is among the top-k logits, for each k;
+    with multi-hot targets (N x C), whose top-k logits hold one of its labels."""
     top = logits.topk(max(ks), dim=1).indices
-    hits = top.eq(targets.unsqueeze(1))
+    if targets.ndim == 2:
+        hits = targets.gather(1, top) > 0.5
+    else:
+        hits = top.eq(targets.unsqueeze(1))
     return torch.stack([hits[:, :k].any(dim=1).sum() for k in ks])
 
 
@@ -38,7 +42,7 @@ class MetricSums:
         hits = topk_correct(logits, targets, (1, self.topk))
         batch = torch.stack([loss_sum.double(), *hits.double()])
         self.sums[:3] += batch
-        self.sums[3] += targets.numel()
+        self.sums[3] += targets.shape[0]
 
     def reduce(self) -> dict:
         """Global totals: loss (mean), top1 and topk (percent), samples."""

@@ -255,7 +255,7 @@ class Strategy:
                     # torchvision's reference loop zeroes at the same place.
                     state.optimizer.zero_grad(set_to_none=True)
                 state.scaler.scale(loss / accum).backward()
-            meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
+            meter.update(loss.detach() * len(targets), logits.detach(), targets)
         self.reduce_gradients(model)
         clip = self.spec.clip_grad_norm
         check_skip = state.ema is not None

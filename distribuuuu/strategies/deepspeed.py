@@ -294,7 +294,7 @@ class DeepSpeedStrategy(Strategy):
                 loss = loss_fn(logits, loss_targets)
             engine.backward(loss)
             engine.step()
-            meter.update(loss.detach() * targets.numel(), logits.detach(), targets)
+            meter.update(loss.detach() * len(targets), logits.detach(), targets)
         # ZeRO's step measures the norm before clipping, every step.
         state.grad_norm = engine.get_global_grad_norm() if state.norm_wanted else None
         return engine.was_step_applied()

@@ -392,7 +392,7 @@ class PipelineStrategy(Strategy):
             if self.last:
                 # The first step's metadata inference computes a loss too.
                 losses = torch.stack(seen[-self.micro :])
-                loss_sum = losses.sum() * (targets.numel() // self.micro)
+                loss_sum = losses.sum() * (len(targets) // self.micro)
                 meter.update(loss_sum, logits.detach(), targets)
                 seen.clear()
         params = list(state.model.parameters())

@@ -33,7 +33,7 @@ def _checkpoint(path, epoch: int, seed: int) -> dict:
     state = best_weights(
         model.state_dict(),
         epoch=epoch,
-        top1=50.0,
+        score=("top1", 50.0),
         classes=list("0123456789"),
         arch=cfg.MODEL.ARCH,
         config_dump=cfg.dump(),

@@ -370,7 +370,7 @@ def _best_weights_saved(cfg, writer: MetricsWriter, name: str) -> None:
     progress = SimpleNamespace(epoch=1)
     state = SimpleNamespace(strategy=strategy, model=None, progress=progress,
                             classes=["a", "b"], writer=writer)  # fmt: skip
-    save_best_weights(save_spec(cfg), state, 50.0, name)
+    save_best_weights(save_spec(cfg), state, ("top1", 50.0), name)
 
 
 @pytest.mark.parametrize("tracker", ["mlflow", "wandb"])
