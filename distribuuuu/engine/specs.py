@@ -484,24 +484,10 @@ def run_params(cfg: CfgNode, precision: str | None = None) -> dict:
     return params
 
 
-# The features a strategy may refuse, and the key that turns each on (for
-# pre-flight and the planner).
-SWITCHES = {
-    features.SYNCBN: ("MODEL.SYNCBN", bool),
-    features.PRECISE_BN: ("TRAIN.PRECISE_BN", bool),
-    features.LAYER_DECAY: ("OPTIM.LAYER_DECAY", lambda value: value != 1),
-    features.EMA: ("MODEL.EMA", bool),
-    features.FP16: ("TRAIN.MIXED_PRECISION", lambda value: value == "fp16"),
-    features.DISTILLATION: ("TRAIN.DISTILL.ARCH", bool),
-    features.ASYNC_CHECKPOINT: ("CHECKPOINT.ASYNC", bool),
-    features.MICRO_BATCH_AUTO: ("TRAIN.MICRO_BATCH", lambda value: value == "auto"),
-}
-
-
 def turned_on(cfg: CfgNode) -> dict:
     """Feature -> (key, value) of the features the run turns on."""
     return {
         feature: (key, get_key(cfg, key))
-        for feature, (key, is_on) in SWITCHES.items()
+        for feature, (key, is_on) in features.SWITCHES.items()
         if is_on(get_key(cfg, key))
     }

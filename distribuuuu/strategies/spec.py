@@ -28,6 +28,18 @@ DISTILLATION = "distillation"
 ASYNC_CHECKPOINT = "async_checkpoint"
 # TRAIN.MICRO_BATCH auto: each rank tries a step alone, outside any collective.
 MICRO_BATCH_AUTO = "micro_batch_auto"
+# Each feature's key, and when its value turns the feature on (for pre-flight
+# and the planner: engine.specs.turned_on).
+SWITCHES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    SYNCBN: ("MODEL.SYNCBN", bool),
+    PRECISE_BN: ("TRAIN.PRECISE_BN", bool),
+    LAYER_DECAY: ("OPTIM.LAYER_DECAY", lambda value: value != 1),
+    EMA: ("MODEL.EMA", bool),
+    FP16: ("TRAIN.MIXED_PRECISION", lambda value: value == "fp16"),
+    DISTILLATION: ("TRAIN.DISTILL.ARCH", bool),
+    ASYNC_CHECKPOINT: ("CHECKPOINT.ASYNC", bool),
+    MICRO_BATCH_AUTO: ("TRAIN.MICRO_BATCH", lambda value: value == "auto"),
+}
 
 
 def check_value(ok: bool, key: str, value: Any, allowed: str) -> None:
