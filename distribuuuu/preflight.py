@@ -242,7 +242,12 @@ def check_model(cfg: CfgNode) -> None:
 
 
 # Training images of the data sets of a fixed size.
-_TRAIN_IMAGES = {"mnist5k": 4000, "cifar10": 50_000, "cifar100": 50_000}
+_TRAIN_IMAGES = {
+    "mnist5k": 4000,
+    "mnist5k_pairs": 4000,
+    "cifar10": 50_000,
+    "cifar100": 50_000,
+}
 
 
 def check_trackers(cfg: CfgNode) -> None:

@@ -14,16 +14,11 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
 from distribuuuu.data import datasets as ds
-from distribuuuu.data import gpu_decode, image_files, turbo
+from distribuuuu.data import gpu_decode, image_files, pairs, turbo
 from distribuuuu.data.batch_ring import RingLoader
 from distribuuuu.data.datasets import count_images, find_image_files
 from distribuuuu.data.folder_index import shared_listing, split_classes
-from distribuuuu.data.jpeg import (
-    JpegFile,
-    jpeg_bytes,
-    read_image_fused,
-    read_or_defer,
-)
+from distribuuuu.data.jpeg import BytesReader, read_image_fused, read_or_defer
 from distribuuuu.data.samplers import ExactShardSampler, build_train_sampler
 from distribuuuu.data.shard_streams import EvalStream, ShardLoader, TrainStream
 from distribuuuu.data.shards import (
@@ -70,13 +65,19 @@ __all__ = [
 # TRAIN.IM_SIZE with ImageNet statistics.
 _SMALL_IMAGES = {
     "mnist5k": (28, ds.MNIST_MEAN, ds.MNIST_STD, False),
+    "mnist5k_pairs": (pairs.CANVAS, pairs.PAIRS_MEAN, pairs.PAIRS_STD, False),
     "cifar10": (32, ds.CIFAR10_MEAN, ds.CIFAR10_STD, True),
     "cifar100": (32, ds.CIFAR100_MEAN, ds.CIFAR100_STD, True),
 }
 # DATA.NAME -> the AutoAugment policy learned for it (Cubuk et al. 2019 learned
 # policies on CIFAR-10, SVHN and ImageNet): CIFAR's for CIFAR, the SVHN (house
 # number digits) policy for the digits, ImageNet's for everything else.
-_AUTO_AUGMENT_POLICY = {"mnist5k": "svhn", "cifar10": "cifar10", "cifar100": "cifar10"}
+_AUTO_AUGMENT_POLICY = {
+    "mnist5k": "svhn",
+    "mnist5k_pairs": "svhn",
+    "cifar10": "cifar10",
+    "cifar100": "cifar10",
+}
 # Data sets of image files of any size, read by DATA.DECODER: ImageNet-style
 # transforms; the same files give the same pixels in either.
 _IMAGE_FILES = ("imagefolder", "webdataset")
@@ -234,6 +235,10 @@ def build_dataset(spec: DataSpec, train: bool) -> ImageDataset:
         images, labels = ds.load_mnist5k(train)
         classes = [str(digit) for digit in range(10)]
         return ds.TensorImageDataset(images, labels, classes, transform)
+    if name == "mnist5k_pairs":  # label sets: multi-hot targets
+        images, targets = pairs.load_mnist5k_pairs(train)
+        classes = [str(digit) for digit in range(pairs.CLASSES)]
+        return ds.TensorImageDataset(images, targets, classes, transform)
     if name in ("cifar10", "cifar100"):
         root = spec.train_dataset if train else spec.test_dataset
         images, labels, classes = ds.load_cifar(name, root, train, spec.download)
@@ -275,26 +280,9 @@ def _shard_dataset(
     shards = open_shards(spec.train_dataset if train else spec.test_dataset, key)
     classes = len(shards.classes)
     _check_class_count(key, shards.paths[0], classes, spec.num_classes)
-    decode = _DecodeBytes(spec.decoder, train)
+    decode = BytesReader(spec.decoder, train)
     decoder = ShardDecoder(shards, transform, decode, spec.skip_corrupt)
     return ShardedImages(shards, decoder)
-
-
-class _DecodeBytes:
-    """What decodes an encoded image (DATA.DECODER), as :func:`image_reader`
-    reads a file; in DATA.DECODER fused training a plain JPEG is left for the
-    crop to decode its window, as :func:`~distribuuuu.data.jpeg.read_or_defer`
-    leaves a file.  (A class, not a closure: loader workers unpickle it.)"""
-
-    def __init__(self, decoder: str, train: bool):
-        self.as_tensor = decoder != "pil"  # fused and tensor decode alike
-        self.defer = train and decoder == "fused"
-
-    def __call__(self, data: bytes, name: str) -> torch.Tensor | Image.Image | JpegFile:
-        image = jpeg_bytes(data, name) if self.defer else None
-        if image is None:
-            return image_files.decode_image_bytes(data, name, self.as_tensor)
-        return image
 
 
 def _image_folder(spec: DataSpec, train: bool) -> tuple[str, str]:
