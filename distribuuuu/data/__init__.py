@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
 from distribuuuu.data import datasets as ds
-from distribuuuu.data import gpu_decode, image_files, pairs, turbo
+from distribuuuu.data import gpu_decode, image_files, labels_files, pairs, turbo
 from distribuuuu.data.batch_ring import RingLoader
 from distribuuuu.data.datasets import count_images, find_image_files
 from distribuuuu.data.folder_index import shared_listing, split_classes
@@ -223,6 +222,7 @@ ImageDataset = (
     | ds.SyntheticDataset
     | ds.CheckedImageFolder
     | ds.SkipUnreadable
+    | labels_files.LabelledImageFiles
     | ShardedImages
 )
 
@@ -256,20 +256,32 @@ def build_dataset(spec: DataSpec, train: bool) -> ImageDataset:
 
 def _image_folder_dataset(
     spec: DataSpec, train: bool, transform: v2.Transform
-) -> ds.CheckedImageFolder | ds.SkipUnreadable:
+) -> ds.CheckedImageFolder | ds.SkipUnreadable | labels_files.LabelledImageFiles:
     """The class folders of the train or val split, read by DATA.DECODER;
     listed once, by rank 0, for every rank (see :func:`shared_listing`)."""
-    path, key = _image_folder(spec, train)
+    path, key = spec.split_folder(train)
     reader: Callable[[str], Any] = image_reader(spec.decoder)
     if spec.decoder == "gpu":  # the workers serve bytes and crop draws
         transform = gpu_decode.DeferredTransform(transform)
         reader = read_or_defer
     elif train and spec.decoder == "fused":  # the crop window is decoded
         reader = read_or_defer
-    listing = shared_listing(path, key, spec.index_cache, spec.write_index)
-    dataset = ds.CheckedImageFolder(path, transform, key, reader, listing)
-    _check_class_count(key, path, len(dataset.classes), spec.num_classes)
+    dataset: ds.CheckedImageFolder | labels_files.LabelledImageFiles
+    if spec.train_labels_file:  # label sets; the index is not read
+        splits = _labelled_splits(spec)
+        split = splits[0 if train else 1]
+        dataset = labels_files.labelled_dataset(splits[0], split, transform, reader)
+    else:
+        listing = shared_listing(path, key, spec.index_cache, spec.write_index)
+        dataset = ds.CheckedImageFolder(path, transform, key, reader, listing)
+        _check_class_count(key, path, len(dataset.classes), spec.num_classes)
     return ds.SkipUnreadable(dataset) if spec.skip_corrupt else dataset
+
+
+def _labelled_splits(spec: DataSpec) -> tuple[labels_files.Split, labels_files.Split]:
+    """The train and val splits' folders, keys and labels files."""
+    train, val = spec.split_folder(train=True), spec.split_folder(train=False)
+    return (*train, spec.train_labels_file), (*val, spec.test_labels_file)
 
 
 def _shard_dataset(
@@ -283,14 +295,6 @@ def _shard_dataset(
     decode = BytesReader(spec.decoder, train)
     decoder = ShardDecoder(shards, transform, decode, spec.skip_corrupt)
     return ShardedImages(shards, decoder)
-
-
-def _image_folder(spec: DataSpec, train: bool) -> tuple[str, str]:
-    """The folder of the train or val split and the config keys naming it."""
-    if train:
-        path = os.path.join(spec.train_dataset, spec.train_split)
-        return path, "TRAIN.DATASET/TRAIN.SPLIT"
-    return os.path.join(spec.test_dataset, spec.test_split), "TEST.DATASET/TEST.SPLIT"
 
 
 def _check_class_count(key: str, path: str, classes: int, num_classes: int) -> None:
@@ -318,8 +322,11 @@ def check_data(spec: DataSpec, replicas: int | None = None, workers: int = 0) ->
         _check_shards(spec, replicas, workers)
     if spec.name != "imagefolder":
         return
-    train_path, train_key = _image_folder(spec, train=True)
-    val_path, val_key = _image_folder(spec, train=False)
+    if spec.train_labels_file:
+        labels_files.check_labels_files(*_labelled_splits(spec), spec.num_classes)
+        return
+    train_path, train_key = spec.split_folder(train=True)
+    val_path, val_key = spec.split_folder(train=False)
     train_classes = split_classes(spec.index_cache, train_path, train_key)
     _check_class_count(train_key, train_path, len(train_classes), spec.num_classes)
     val_classes = split_classes(spec.index_cache, val_path, val_key)

@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extensi
 from distribuuuu.data.image_files import load_image
 from distribuuuu.data.packed import PackedSamples
 from distribuuuu.errors import DataError
+
+if TYPE_CHECKING:
+    from distribuuuu.data.labels_files import LabelledImageFiles
 
 logger = logging.getLogger(__name__)
 
@@ -450,7 +454,7 @@ class SkipUnreadable(Dataset):
     The data set keeps its length, so every rank still runs the same steps.
     """
 
-    def __init__(self, dataset: CheckedImageFolder):
+    def __init__(self, dataset: CheckedImageFolder | LabelledImageFiles):
         self.dataset = dataset
         self.classes = dataset.classes
         self._reported: set[int] = set()
@@ -458,7 +462,7 @@ class SkipUnreadable(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple:
         for offset in range(len(self.dataset)):
             position = (index + offset) % len(self.dataset)
             try:
@@ -487,4 +491,5 @@ def stored_labels(dataset: Dataset) -> torch.Tensor | None:
         return torch.tensor(dataset.label_list(), dtype=torch.int64)
     if isinstance(dataset, CheckedImageFolder):
         return torch.as_tensor(dataset.targets, dtype=torch.int64)
-    return None
+    label_rows = getattr(dataset, "label_rows", None)  # a labels file's
+    return label_rows() if label_rows is not None else None

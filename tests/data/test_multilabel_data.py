@@ -5,9 +5,13 @@ metrics that read its targets: tests/engine)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import refused
+from PIL import Image
 
 from distribuuuu.config import load_cfg
 from distribuuuu.config.validation import is_multi_label
@@ -151,3 +155,100 @@ def test_labels_only_batches_of_pairs_are_the_full_loaders(pairs):
     for (stand_ins, targets), wanted in zip(served, expected, strict=True):
         assert stand_ins.shape == (16, 0, 56, 56)
         assert targets.dtype == torch.float32 and torch.equal(targets, wanted)
+
+
+# --------------------------------------------------------------------------- #
+# TRAIN.LABELS_FILE / TEST.LABELS_FILE: label sets of an image folder
+# --------------------------------------------------------------------------- #
+
+TRAIN_ROWS = ["a/0.png,cat dog", "a/1.png,dog", "b/2.png,bird cat", "b/3.png,dog"]
+VAL_ROWS = ["x/0.png,dog", "x/1.png,cat bird"]
+
+
+def _write_split(root: Path, rows: list[str], csv_path: Path) -> None:
+    """The images that ``rows`` name (8 px PNGs) under ``root``, and the CSV."""
+    for row in rows:
+        image = root / row.split(",")[0]
+        image.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8), (len(row) * 9 % 256, 0, 0)).save(image)
+    csv_path.write_text("path,labels\n" + "\n".join(rows) + "\n", encoding="utf-8")
+
+
+def _labelled(tmp_path: Path, val_rows: list[str] = VAL_ROWS) -> list[str]:
+    """Overrides of a labelled image folder under ``tmp_path``: 3 classes."""
+    data = tmp_path / "data"
+    _write_split(data / "train", TRAIN_ROWS, tmp_path / "train.csv")
+    _write_split(data / "val", VAL_ROWS, tmp_path / "val.csv")
+    (tmp_path / "val.csv").write_text(
+        "path,labels\n" + "\n".join(val_rows) + "\n", encoding="utf-8"
+    )
+    return [
+        *("DATA.NAME", "imagefolder", "TRAIN.DATASET", str(data)),
+        *("TEST.DATASET", str(data), "MODEL.NUM_CLASSES", "3"),
+        *("TRAIN.LABELS_FILE", str(tmp_path / "train.csv")),
+        *("TEST.LABELS_FILE", str(tmp_path / "val.csv")),
+        *("MODEL.LOSS", "bce", "CHECKPOINT.BEST_METRIC", "map"),
+        *("TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8", "TRAIN.BATCH_SIZE", "2"),
+        *("TRAIN.WORKERS", "0", "MODEL.ARCH", "lenet5", "OPTIM.MAX_EPOCH", "1"),
+    ]
+
+
+def test_a_labels_file_serves_multi_hot_targets_over_the_training_classes(
+    tmp_path,
+):
+    """The classes are the training file's sorted names, for both splits (the
+    names a run records); each image's target marks its listed classes, in a
+    batch as B x 3 float32 rows; no folder index is written."""
+    spec = data_spec(load_cfg(None, _labelled(tmp_path)))
+    train, val = build_dataset(spec, train=True), build_dataset(spec, train=False)
+    assert train.classes == val.classes == ["bird", "cat", "dog"]
+    assert len(train) == 4 and len(val) == 2
+    image, target = val[1]
+    assert image.shape[-2:] == (8, 8) and target.tolist() == [1.0, 1.0, 0.0]
+    expected = [[0, 1, 1], [0, 0, 1], [1, 1, 0], [0, 0, 1]]
+    assert stored_labels(train).tolist() == expected
+    loader = build_train_loader(
+        SPEC, train, rank=0, world_size=1, seed=0, device=CPU, batch_size=2
+    )
+    loader.sampler.set_epoch(0)
+    order = [index for index, _ in loader.sampler]
+    batches = [targets for _, targets in loader]
+    assert all(b.shape == (2, 3) and b.dtype == torch.float32 for b in batches)
+    assert torch.cat(batches).tolist() == [expected[i] for i in order]
+    assert not os.path.exists(spec.index_cache)
+
+
+@pytest.mark.parametrize(
+    ("val_rows", "extra", "message"),
+    [
+        (["x/0.png,dog fish"], [], "x/0.png has class fish, which the training"),
+        (["../train/a/0.png,dog"], [], "path '../train/a/0.png' is outside the split"),
+        (["x/0.png,dog", "x/0.png,cat"], [], "x/0.png is listed twice"),
+        (["x/0.png,"], [], "x/0.png has no labels"),
+        (VAL_ROWS, ["MODEL.NUM_CLASSES", "4"], "names 3 classes but MODEL.NUM_CLASSES"),
+        (["x/0.png,dog", "x/9.png,cat"], [], "no image file x/9.png"),
+    ],
+)
+def test_a_bad_labels_file_is_refused_before_the_run_writes(
+    tmp_path, val_rows, extra, message
+):
+    """Exit 2 with one error line naming the fault, and no OUT_DIR."""
+    args = [*_labelled(tmp_path, val_rows), *extra]
+    error = refused(str(tmp_path / "out"), *args)
+    assert message in error
+
+
+def test_labels_files_stay_inside_their_split_and_are_read_safely(tmp_path):
+    """A link that resolves outside the split, a CSV that is not UTF-8, and a
+    labels file on shards are each refused with one error line."""
+    args = _labelled(tmp_path)
+    outside = tmp_path / "secret.png"
+    Image.new("RGB", (8, 8)).save(outside)
+    (tmp_path / "data" / "val" / "x" / "link.png").symlink_to(outside)
+    (tmp_path / "val.csv").write_text("path,labels\nx/link.png,dog\n")
+    error = refused(str(tmp_path / "out"), *args)
+    assert "x/link.png resolves to" in error and "outside the split" in error
+    (tmp_path / "val.csv").write_bytes(b"path,labels\nx/0.png,\xff\xfe\n")
+    assert "not UTF-8 text" in refused(str(tmp_path / "out"), *args)
+    shards = [*args, "DATA.NAME", "webdataset"]
+    assert "DATA.NAME imagefolder" in refused(str(tmp_path / "out"), *shards)
