@@ -51,13 +51,12 @@ def _train_or_evaluate(cfg: CfgNode, eval_only: bool, dry_run: bool = False) -> 
                 signal.signal(signum, signal.SIG_IGN)
             raise SystemExit(128 + stats["stopped_by"])
         return
+    from distribuuuu.engine.label_set_log import metrics_text
+
     stats = trainer.evaluate_checkpoint(cfg)
     if is_rank_zero():
-        k = stats["topk_k"]
-        print(
-            f"top1 {stats['top1']:.2f}  top{k} {stats['topk']:.2f}  "
-            f"loss {stats['loss']:.4f}  samples {stats['samples']}"
-        )
+        metrics = metrics_text(stats, stats.get("topk_k", 0))
+        print(f"{metrics}  loss {stats['loss']:.4f}  samples {stats['samples']}")
 
 
 def rank_main(cfg: CfgNode, eval_only: bool, dry_run: bool = False) -> None:

@@ -244,7 +244,12 @@ def check_model(cfg: CfgNode) -> None:
 
 
 # Training images of the data sets of a fixed size.
-_TRAIN_IMAGES = {"mnist5k": 4000, "cifar10": 50_000, "cifar100": 50_000}
+_TRAIN_IMAGES = {
+    "mnist5k": 4000,
+    "mnist5k_pairs": 4000,
+    "cifar10": 50_000,
+    "cifar100": 50_000,
+}
 
 
 def check_trackers(cfg: CfgNode) -> None:
@@ -264,11 +269,15 @@ def check_batch_fits(cfg: CfgNode, world_size: int) -> None:
     ConfigError.
     """
     from distribuuuu.data import count_images, count_shard_samples
+    from distribuuuu.data.labels_files import read_labels_file
 
     step = cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS
     name, where = cfg.DATA.NAME, ""
     if name == "synthetic":
         images = cfg.DATA.SYNTHETIC_SIZE[0]
+    elif name == "imagefolder" and cfg.TRAIN.LABELS_FILE:  # the rows it lists
+        images = len(read_labels_file(cfg.TRAIN.LABELS_FILE, "TRAIN.LABELS_FILE"))
+        where = f" in {cfg.TRAIN.LABELS_FILE}"
     elif name == "imagefolder":
         root = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
         images, where = count_images(root, step * world_size), f" in {root}"

@@ -554,14 +554,47 @@ def wait_for_file(pattern: str, proc, seconds: float = 240) -> None:
     assert glob.glob(pattern), f"{pattern} never appeared"
 
 
+# A sitecustomize that makes every fsync wait 0.5 s (only those off the main
+# thread, where ``BACKGROUND`` is true): a run under it cannot complete its
+# next checkpoint within 0.5 s of the last, so that a kill lands before it.
+_SLOW_FSYNC = """
+import os, threading, time
+
+_fsync = os.fsync
+
+def _slow_fsync(fd):
+    if not BACKGROUND or threading.current_thread() is not threading.main_thread():
+        time.sleep(0.5)
+    _fsync(fd)
+
+os.fsync = _slow_fsync
+"""
+
+
+def slow_fsync_env(folder: str, background_only: bool = False) -> dict:
+    """The environment of a run whose fsyncs are slow (see _SLOW_FSYNC):
+    ``folder``, created, holds its sitecustomize."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write(f"BACKGROUND = {background_only}\n{_SLOW_FSYNC}")
+    python = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [folder, python]))}
+
+
 def kill_mid_run(
-    nproc: int, args: list[str], out: str, pattern: str, before: str, delay: float
+    nproc: int,
+    args: list[str],
+    out: str,
+    pattern: str,
+    before: str,
+    delay: float,
+    env: dict | None = None,
 ) -> None:
     """Start the run, SIGKILL it (all processes) at a moment up to ``delay``
     s after a checkpoint matching ``pattern`` appears (drawn from a generator
     seeded by the arguments, so a failure repeats); check that checkpoint
     ``before`` was not reached."""
-    proc = start(launch_command(nproc, args))
+    proc = start(launch_command(nproc, args), env)
     seed = f"{nproc} {pattern}"
     pause = random.Random(seed).uniform(0.0, delay)
     # Shown with a failure's output, so that the moment can be replayed.

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -14,16 +13,11 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
 from distribuuuu.data import datasets as ds
-from distribuuuu.data import gpu_decode, image_files, turbo
+from distribuuuu.data import gpu_decode, image_files, labels_files, pairs, turbo
 from distribuuuu.data.batch_ring import RingLoader
 from distribuuuu.data.datasets import count_images, find_image_files
 from distribuuuu.data.folder_index import shared_listing, split_classes
-from distribuuuu.data.jpeg import (
-    JpegFile,
-    jpeg_bytes,
-    read_image_fused,
-    read_or_defer,
-)
+from distribuuuu.data.jpeg import BytesReader, read_image_fused, read_or_defer
 from distribuuuu.data.samplers import (
     ExactShardSampler,
     SeededDataset,
@@ -75,13 +69,19 @@ __all__ = [
 # TRAIN.IM_SIZE with ImageNet statistics.
 _SMALL_IMAGES = {
     "mnist5k": (28, ds.MNIST_MEAN, ds.MNIST_STD, False),
+    "mnist5k_pairs": (pairs.CANVAS, pairs.PAIRS_MEAN, pairs.PAIRS_STD, False),
     "cifar10": (32, ds.CIFAR10_MEAN, ds.CIFAR10_STD, True),
     "cifar100": (32, ds.CIFAR100_MEAN, ds.CIFAR100_STD, True),
 }
 # DATA.NAME -> the AutoAugment policy learned for it (Cubuk et al. 2019 learned
 # policies on CIFAR-10, SVHN and ImageNet): CIFAR's for CIFAR, the SVHN (house
 # number digits) policy for the digits, ImageNet's for everything else.
-_AUTO_AUGMENT_POLICY = {"mnist5k": "svhn", "cifar10": "cifar10", "cifar100": "cifar10"}
+_AUTO_AUGMENT_POLICY = {
+    "mnist5k": "svhn",
+    "mnist5k_pairs": "svhn",
+    "cifar10": "cifar10",
+    "cifar100": "cifar10",
+}
 # Data sets of image files of any size, read by DATA.DECODER: ImageNet-style
 # transforms; the same files give the same pixels in either.
 _IMAGE_FILES = ("imagefolder", "webdataset")
@@ -227,6 +227,7 @@ ImageDataset = (
     | ds.SyntheticDataset
     | ds.CheckedImageFolder
     | ds.SkipUnreadable
+    | labels_files.LabelledImageFiles
     | ShardedImages
 )
 
@@ -239,6 +240,10 @@ def build_dataset(spec: DataSpec, train: bool) -> ImageDataset:
         images, labels = ds.load_mnist5k(train)
         classes = [str(digit) for digit in range(10)]
         return ds.TensorImageDataset(images, labels, classes, transform)
+    if name == "mnist5k_pairs":  # label sets: multi-hot targets
+        images, targets = pairs.load_mnist5k_pairs(train)
+        classes = [str(digit) for digit in range(pairs.CLASSES)]
+        return ds.TensorImageDataset(images, targets, classes, transform)
     if name in ("cifar10", "cifar100"):
         root = spec.train_dataset if train else spec.test_dataset
         images, labels, classes = ds.load_cifar(name, root, train, spec.download)
@@ -256,20 +261,32 @@ def build_dataset(spec: DataSpec, train: bool) -> ImageDataset:
 
 def _image_folder_dataset(
     spec: DataSpec, train: bool, transform: v2.Transform
-) -> ds.CheckedImageFolder | ds.SkipUnreadable:
+) -> ds.CheckedImageFolder | ds.SkipUnreadable | labels_files.LabelledImageFiles:
     """The class folders of the train or val split, read by DATA.DECODER;
     listed once, by rank 0, for every rank (see :func:`shared_listing`)."""
-    path, key = _image_folder(spec, train)
+    path, key = spec.split_folder(train)
     reader: Callable[[str], Any] = image_reader(spec.decoder)
     if spec.decoder == "gpu":  # the workers serve bytes and crop draws
         transform = gpu_decode.DeferredTransform(transform)
         reader = read_or_defer
     elif train and spec.decoder == "fused":  # the crop window is decoded
         reader = read_or_defer
-    listing = shared_listing(path, key, spec.index_cache, spec.write_index)
-    dataset = ds.CheckedImageFolder(path, transform, key, reader, listing)
-    _check_class_count(key, path, len(dataset.classes), spec.num_classes)
+    dataset: ds.CheckedImageFolder | labels_files.LabelledImageFiles
+    if spec.train_labels_file:  # label sets; the index is not read
+        splits = _labelled_splits(spec)
+        split = splits[0 if train else 1]
+        dataset = labels_files.labelled_dataset(splits[0], split, transform, reader)
+    else:
+        listing = shared_listing(path, key, spec.index_cache, spec.write_index)
+        dataset = ds.CheckedImageFolder(path, transform, key, reader, listing)
+        _check_class_count(key, path, len(dataset.classes), spec.num_classes)
     return ds.SkipUnreadable(dataset) if spec.skip_corrupt else dataset
+
+
+def _labelled_splits(spec: DataSpec) -> tuple[labels_files.Split, labels_files.Split]:
+    """The train and val splits' folders, keys and labels files."""
+    train, val = spec.split_folder(train=True), spec.split_folder(train=False)
+    return (*train, spec.train_labels_file), (*val, spec.test_labels_file)
 
 
 def _shard_dataset(
@@ -280,34 +297,9 @@ def _shard_dataset(
     shards = open_shards(spec.train_dataset if train else spec.test_dataset, key)
     classes = len(shards.classes)
     _check_class_count(key, shards.paths[0], classes, spec.num_classes)
-    decode = _DecodeBytes(spec.decoder, train)
+    decode = BytesReader(spec.decoder, train)
     decoder = ShardDecoder(shards, transform, decode, spec.skip_corrupt)
     return ShardedImages(shards, decoder)
-
-
-class _DecodeBytes:
-    """What decodes an encoded image (DATA.DECODER), as :func:`image_reader`
-    reads a file; in DATA.DECODER fused training a plain JPEG is left for the
-    crop to decode its window, as :func:`~distribuuuu.data.jpeg.read_or_defer`
-    leaves a file.  (A class, not a closure: loader workers unpickle it.)"""
-
-    def __init__(self, decoder: str, train: bool):
-        self.as_tensor = decoder != "pil"  # fused and tensor decode alike
-        self.defer = train and decoder == "fused"
-
-    def __call__(self, data: bytes, name: str) -> torch.Tensor | Image.Image | JpegFile:
-        image = jpeg_bytes(data, name) if self.defer else None
-        if image is None:
-            return image_files.decode_image_bytes(data, name, self.as_tensor)
-        return image
-
-
-def _image_folder(spec: DataSpec, train: bool) -> tuple[str, str]:
-    """The folder of the train or val split and the config keys naming it."""
-    if train:
-        path = os.path.join(spec.train_dataset, spec.train_split)
-        return path, "TRAIN.DATASET/TRAIN.SPLIT"
-    return os.path.join(spec.test_dataset, spec.test_split), "TEST.DATASET/TEST.SPLIT"
 
 
 def _check_class_count(key: str, path: str, classes: int, num_classes: int) -> None:
@@ -335,8 +327,11 @@ def check_data(spec: DataSpec, replicas: int | None = None, workers: int = 0) ->
         _check_shards(spec, replicas, workers)
     if spec.name != "imagefolder":
         return
-    train_path, train_key = _image_folder(spec, train=True)
-    val_path, val_key = _image_folder(spec, train=False)
+    if spec.train_labels_file:
+        labels_files.check_labels_files(*_labelled_splits(spec), spec.num_classes)
+        return
+    train_path, train_key = spec.split_folder(train=True)
+    val_path, val_key = spec.split_folder(train=False)
     train_classes = split_classes(spec.index_cache, train_path, train_key)
     _check_class_count(train_key, train_path, len(train_classes), spec.num_classes)
     val_classes = split_classes(spec.index_cache, val_path, val_key)

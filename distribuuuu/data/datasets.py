@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extensi
 from distribuuuu.data.image_files import load_image
 from distribuuuu.data.packed import PackedSamples
 from distribuuuu.errors import DataError
+
+if TYPE_CHECKING:
+    from distribuuuu.data.labels_files import LabelledImageFiles
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +41,8 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 class TensorImageDataset(Dataset):
-    """Images held in memory as a uint8 tensor ``N x C x H x W`` with labels."""
+    """Images held in memory as a uint8 tensor ``N x C x H x W`` with labels:
+    int64 class indices, or float32 ``N x classes`` multi-hot label sets."""
 
     def __init__(
         self,
@@ -56,13 +61,15 @@ class TensorImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int | torch.Tensor]:
         image = self.images[index]
         if image.shape[0] == 1:
             # Grey images are served with 3 channels so every model accepts them.
             image = image.expand(3, -1, -1)
         if self.transform is not None:
             image = self.transform(image)
+        if self.labels.dim() == 2:  # a label set: its multi-hot row
+            return image, self.labels[index]
         return image, int(self.labels[index])
 
 
@@ -447,7 +454,7 @@ class SkipUnreadable(Dataset):
     The data set keeps its length, so every rank still runs the same steps.
     """
 
-    def __init__(self, dataset: CheckedImageFolder):
+    def __init__(self, dataset: CheckedImageFolder | LabelledImageFiles):
         self.dataset = dataset
         self.classes = dataset.classes
         self._reported: set[int] = set()
@@ -455,7 +462,7 @@ class SkipUnreadable(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple:
         for offset in range(len(self.dataset)):
             position = (index + offset) % len(self.dataset)
             try:
@@ -472,13 +479,17 @@ class SkipUnreadable(Dataset):
 def stored_labels(dataset: Dataset) -> torch.Tensor | None:
     """The label of every sample of a map-style data set, by index, where the
     data set holds them (no image read): in memory, synthetic, or a folder's
-    (under DATA.SKIP_CORRUPT, each file's own); None for any other."""
+    (under DATA.SKIP_CORRUPT, each file's own); None for any other.  Class
+    indices (int64), or for multi-label data the ``N x classes`` float32
+    multi-hot rows that its samples carry."""
     if isinstance(dataset, SkipUnreadable):
         dataset = dataset.dataset
     if isinstance(dataset, TensorImageDataset):
-        return dataset.labels.to(torch.int64)
+        labels = dataset.labels
+        return labels if labels.dim() == 2 else labels.to(torch.int64)
     if isinstance(dataset, SyntheticDataset):
         return torch.tensor(dataset.label_list(), dtype=torch.int64)
     if isinstance(dataset, CheckedImageFolder):
         return torch.as_tensor(dataset.targets, dtype=torch.int64)
-    return None
+    label_rows = getattr(dataset, "label_rows", None)  # a labels file's
+    return label_rows() if label_rows is not None else None

@@ -165,7 +165,10 @@ def collate_encoded(
             batch.encoded.append(sample)
             batch.encoded_places.append(place)
     batch.ready = torch.stack(ready) if ready else None
-    return batch, torch.tensor([label for _, label in samples])
+    labels = [label for _, label in samples]
+    if labels and isinstance(labels[0], torch.Tensor):  # multi-hot rows
+        return batch, torch.stack(labels)
+    return batch, torch.tensor(labels)
 
 
 def empty_batch(sample: EncodedSample) -> EncodedBatch:

@@ -267,3 +267,21 @@ def read_image_fused(path: str) -> torch.Tensor:
 decode_image_file`, faster for 8-bit JPEGs (see the module doc)."""
     image = read_or_defer(path)
     return image.decode() if isinstance(image, JpegFile) else image
+
+
+class BytesReader:
+    """What decodes an encoded image of a shard (DATA.DECODER), as
+    :func:`distribuuuu.data.image_reader` reads a file; in DATA.DECODER fused
+    training a plain JPEG is left for the crop to decode its window, as
+    :func:`read_or_defer` leaves a file.  (A class, not a closure: loader
+    workers unpickle it.)"""
+
+    def __init__(self, decoder: str, train: bool):
+        self.as_tensor = decoder != "pil"  # fused and tensor decode alike
+        self.defer = train and decoder == "fused"
+
+    def __call__(self, data: bytes, name: str) -> torch.Tensor | Image.Image | JpegFile:
+        image = jpeg_bytes(data, name) if self.defer else None
+        if image is None:
+            return image_files.decode_image_bytes(data, name, self.as_tensor)
+        return image

@@ -130,10 +130,14 @@ class ResumableTrainSampler(Sampler[tuple[int, ...]]):
 
 def rarest_label_frequency(labels: Labels) -> torch.Tensor:
     """Each sample's class frequency: the share of the samples that carry its
-    label (float64); a sample of several labels takes its rarest label's."""
+    label (float64); a sample of several labels takes its rarest label's.
+    ``labels``: class indices, lists of them, or ``N x classes`` multi-hot rows
+    (as :func:`~distribuuuu.data.datasets.stored_labels` gives label sets)."""
     if isinstance(labels, torch.Tensor) and labels.dim() == 1:
         counts = torch.bincount(labels.to(torch.int64))
         return counts[labels.to(torch.int64)].to(torch.float64) / len(labels)
+    if isinstance(labels, torch.Tensor) and labels.dim() == 2:
+        return _rarest_of_rows(labels > 0)
     classes = [_classes(label) for label in labels]
     carriers = Counter(label for sample in classes for label in set(sample))
     for number, sample in enumerate(classes):
@@ -141,6 +145,17 @@ def rarest_label_frequency(labels: Labels) -> torch.Tensor:
             raise ValueError(f"sample {number} has no label to sample it by")
     rarest = [min(carriers[label] for label in sample) for sample in classes]
     return torch.tensor(rarest, dtype=torch.float64) / len(classes)
+
+
+def _rarest_of_rows(carries: torch.Tensor) -> torch.Tensor:
+    """:func:`rarest_label_frequency` of boolean ``N x classes`` rows."""
+    empty = torch.nonzero(~carries.any(dim=1)).flatten()
+    if len(empty):
+        raise ValueError(f"sample {int(empty[0])} has no label to sample it by")
+    carriers = carries.sum(dim=0, dtype=torch.float64)
+    unused = torch.tensor(float("inf"), dtype=torch.float64)
+    rarest = torch.where(carries, carriers, unused).amin(dim=1)
+    return rarest / len(carries)
 
 
 def _classes(label: int | Sequence[int] | torch.Tensor) -> list[int]:

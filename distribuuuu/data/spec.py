@@ -10,6 +10,7 @@ evaluation transforms alone (an exported model's) names only what they read.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -95,6 +96,19 @@ class DataSpec:
     # training or evaluation run: not by a dry run, a tool or a test).
     index_cache: str = ""
     write_index: bool = False
+    # imagefolder with label sets: the CSVs of TRAIN.LABELS_FILE and
+    # TEST.LABELS_FILE ("" none: the class folders' single labels).
+    train_labels_file: str = ""
+    test_labels_file: str = ""
+
+    def split_folder(self, train: bool) -> tuple[str, str]:
+        """The folder of the train or val split (imagefolder) and the config
+        keys naming it."""
+        if train:
+            path = os.path.join(self.train_dataset, self.train_split)
+            return path, "TRAIN.DATASET/TRAIN.SPLIT"
+        path = os.path.join(self.test_dataset, self.test_split)
+        return path, "TEST.DATASET/TEST.SPLIT"
 
 
 @dataclass(frozen=True)

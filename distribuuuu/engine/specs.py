@@ -297,6 +297,8 @@ def data_spec(cfg: CfgNode) -> DataSpec:
         train_dataset=cfg.TRAIN.DATASET,
         train_split=cfg.TRAIN.SPLIT,
         index_cache=index_cache_folder(cfg),
+        train_labels_file=cfg.TRAIN.LABELS_FILE,
+        test_labels_file=cfg.TEST.LABELS_FILE,
     )
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from helpers import (
     kill_session,
     read_metrics,
     read_text,
+    slow_fsync_env,
     start,
     torchrun,
     train_net,
@@ -31,31 +31,12 @@ from helpers import (
 from distribuuuu import checkpoint as cp
 
 ASYNC = ("CHECKPOINT.ASYNC", "True")
-# Every fsync off the main thread waits this long in the killed run, so that
-# the kill surely lands while a save is written in the background.
-SLOW_FSYNC = textwrap.dedent(
-    """
-    import os, threading, time
-
-    _fsync = os.fsync
-
-    def _slow_fsync(fd):
-        if threading.current_thread() is not threading.main_thread():
-            time.sleep(0.5)
-        _fsync(fd)
-
-    os.fsync = _slow_fsync
-    """
-)
 
 
 def _start_slow(tmp_path, nproc: int, args: list[str]):
-    """The run of ``args`` on ``nproc`` processes, its background fsyncs slow."""
-    site = tmp_path / "slow"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SLOW_FSYNC)
-    python = os.environ.get("PYTHONPATH", "")
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), python]))}
+    """The run of ``args`` on ``nproc`` processes, its background fsyncs slow
+    (0.5 s each), so that the kill surely lands while a save is written."""
+    env = slow_fsync_env(str(tmp_path / "slow"), background_only=True)
     if nproc == 1:
         return start([sys.executable, TRAIN_NET, *args], env)
     launch = [

@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -15,9 +16,12 @@ from helpers import (
     assert_ok,
     final_model,
     import_tool,
-    kill_mid_run,
+    kill_session,
+    launch_command,
     read_metrics,
     read_text,
+    slow_fsync_env,
+    start,
     train_net,
 )
 from PIL import Image
@@ -183,17 +187,35 @@ def test_a_run_logs_and_records_each_epochs_crop(reference):
     assert recorded == {(1, 16), (2, 24), (3, 32)}
 
 
+def _names_mid_epoch_2(last: str) -> bool:
+    """Whether the file ``last`` names the checkpoint after epoch 2's step 3."""
+    try:
+        return read_text(last).startswith("ckpt_ep_0001_it_0003")
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.slow
 def test_a_run_killed_mid_ramp_then_rerun_is_bitwise_identical(reference, tmp_path):
     """SIGKILL in epoch 2 (24 px), after its checkpoint mid-epoch: the rerun
     resumes there and ends bitwise where the uninterrupted run ends."""
     killed = str(tmp_path / "killed")
     args = [*RAMP_RUN, "OUT_DIR", killed]
-    kill_mid_run(1, args, killed, "ckpt_ep_0001_it_0003*.pth", "ckpt_ep_0002.pth", 0.2)
+    # Killed once `last` names epoch 2's checkpoint mid-epoch; every fsync of
+    # the killed run takes 0.5 s, so its next checkpoint cannot be complete.
+    proc = start(launch_command(1, args), slow_fsync_env(str(tmp_path / "slow")))
+    last = os.path.join(killed, "checkpoints", "last")
+    try:
+        while proc.poll() is None and not _names_mid_epoch_2(last):
+            time.sleep(0.02)
+    finally:
+        kill_session(proc)
+    assert _names_mid_epoch_2(last)
+    assert not os.path.exists(os.path.join(killed, "checkpoints", "ckpt_ep_0002.pth"))
     rerun = train_net(*args)
     assert_ok(rerun)
     resumed = rerun.stdout.split("resumed from ", 1)[1].split()[0]
-    assert os.path.basename(resumed).startswith("ckpt_ep_0001_it_")
+    assert os.path.basename(resumed).startswith("ckpt_ep_0001_it_0003")
     assert re.findall(r"train ep (\d)/3: crop (\d+) px", rerun.stdout) == [
         ("2", "24"),
         ("3", "32"),
