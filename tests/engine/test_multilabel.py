@@ -4,12 +4,13 @@ scikit-learn's, the same on 1, 2 and 3 ranks."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, assert_ok, read_metrics, torchrun, train_net
+from helpers import REPO, assert_ok, import_tool, read_metrics, torchrun, train_net
 
 CONFIG = os.path.join(REPO, "config", "mnist5k_multilabel.yaml")
 
@@ -77,3 +78,34 @@ def test_distributed_map_is_scikit_learn_s_on_every_world_size(trained, tmp_path
         assert record["samples"] == len(scores), ranks
         assert record["map"] == pytest.approx(reference, abs=1e-4), ranks  # percent
         assert record["map"] == pytest.approx(found[1]["map"], abs=1e-4), ranks
+
+
+def test_predict_prints_label_sets_from_the_weights_and_the_onnx_export(
+    trained, tmp_path, capsys
+):
+    """predict.py reads the loss kind from best.pth and from the ONNX
+    metadata: both print each image's classes at or above TEST.THRESHOLD,
+    the same sets, not a softmax top-k."""
+    loss, out = trained
+    if loss != "bce":
+        pytest.skip("one loss's checkpoint is enough")
+    from PIL import Image
+
+    from distribuuuu.data.pairs import load_mnist5k_pairs
+
+    images, targets = load_mnist5k_pairs(False)
+    paths = [str(tmp_path / f"pair{i}.png") for i in range(16)]
+    for i, path in enumerate(paths):
+        Image.fromarray(images[i, 0].numpy()).save(path)
+    weights, onnx_file = os.path.join(out, "best.pth"), str(tmp_path / "m.onnx")
+    assert import_tool("export").main(["--weights", weights, "--onnx", onnx_file]) == 0
+    found = {}
+    for source in (["--weights", weights], ["--onnx", onnx_file]):
+        capsys.readouterr()
+        assert import_tool("predict").main([*source, "--json", *paths]) == 0
+        lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        found[source[0]] = [{c["class"] for c in line["top"]} for line in lines]
+        assert all(c["prob"] >= 0.5 for line in lines for c in line["top"])
+    assert found["--weights"] == found["--onnx"]
+    truth = [{str(c) for c in row.nonzero().flatten().tolist()} for row in targets]
+    assert sum(s == t for s, t in zip(found["--onnx"], truth)) >= 8  # most sets
