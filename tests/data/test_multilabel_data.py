@@ -24,13 +24,15 @@ from distribuuuu.engine.specs import data_spec, loader_spec
 
 CPU = torch.device("cpu")
 RECIPE = "config/mnist5k_multilabel.yaml"
+# The canvases whole (the recipe trains them resized to 28 px).
+FULL_SIZE = ["TRAIN.IM_SIZE", "56", "TEST.IM_SIZE", "56"]
 SPEC = loader_spec(load_cfg(None, ["TRAIN.WORKERS", "0"]))
 
 
 @pytest.fixture(scope="module")
 def pairs() -> dict:
     """The train and val sets of the recipe's DATA.NAME mnist5k_pairs."""
-    spec = data_spec(load_cfg(RECIPE, []))
+    spec = data_spec(load_cfg(RECIPE, FULL_SIZE))
     return {split: build_dataset(spec, split == "train") for split in ("train", "val")}
 
 
@@ -59,7 +61,7 @@ def test_a_pair_shows_two_digits_of_its_split_and_carries_both_labels(pairs):
         expected = {int(classes[index]), int(classes[partner[0]])}
         assert _label_set(target) == expected
         sizes.append(len(expected))
-    spec = data_spec(load_cfg(RECIPE, ["RNG_SEED", "5"]))
+    spec = data_spec(load_cfg(RECIPE, [*FULL_SIZE, "RNG_SEED", "5"]))
     assert torch.equal(build_dataset(spec, train=False).labels, val.labels)
     totals = val.labels.sum(dim=1)
     assert set(totals.tolist()) == {1.0, 2.0} and (totals == 1).sum() < 200
