@@ -179,6 +179,7 @@ def reference(tmp_path_factory) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_a_run_logs_and_records_each_epochs_crop(reference):
     log = read_text(reference, "log.txt")
     logged = re.findall(r"train ep (\d)/3: crop (\d+) px", log)

@@ -14,9 +14,8 @@ from helpers import REPO, assert_ok, import_tool, read_metrics, torchrun, train_
 
 CONFIG = os.path.join(REPO, "config", "mnist5k_multilabel.yaml")
 
-pytestmark = pytest.mark.skipif(
-    not os.path.isfile(CONFIG), reason="needs the data side (branch ml-data)"
-)
+# Two training runs of the recipe (about 30 s each), shared by the tests.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", params=["bce", "asl"])
