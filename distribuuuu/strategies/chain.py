@@ -83,7 +83,8 @@ def compile_model(strategy: Strategy, model: nn.Module) -> nn.Module:
     """MODEL.COMPILE: the module inside the wrapper compiled in place."""
     if strategy.spec.compile_model:
         spec = strategy.spec
-        compile_in_place(strategy.plain_model(model), spec.compile_mode)
+        static = spec.train_sizes > 1  # TRAIN.PROGRESSIVE: a graph per size
+        compile_in_place(strategy.plain_model(model), spec.compile_mode, static)
         allow_recompiles(spec.train_sizes)
     return model
 
@@ -92,11 +93,11 @@ def allow_recompiles(sizes: int) -> None:
     """Let dynamo compile a graph ``sizes`` - 1 more times than its limit
     (``recompile_limit``, 8 in torch 2.14), beyond which it runs eagerly.
 
-    Each training crop of TRAIN.PROGRESSIVE compiles the model once more:
-    resnet8 (measured on a CPU) specializes the image size, so
-    ``torch._dynamo.mark_dynamic`` of it fails ("your code specialized it
-    to be a constant") and torch's automatic dynamic shapes compiled it
-    again at each size.
+    Each training crop of TRAIN.PROGRESSIVE compiles the model once more
+    (:func:`compile_in_place` with ``static``): a size marked dynamic does not
+    stay so, since resnet8 specializes it (``torch._dynamo.mark_dynamic``
+    fails, "your code specialized it to be a constant"), and torch's
+    automatic dynamic shapes compiled it again at each size all the same.
     """
     import torch._dynamo
 
@@ -104,17 +105,24 @@ def allow_recompiles(sizes: int) -> None:
     config.recompile_limit = max(config.recompile_limit, 8 + sizes - 1)
 
 
-def compile_in_place(model: nn.Module, mode: str) -> None:
+def compile_in_place(model: nn.Module, mode: str, static: bool = False) -> None:
     """``torch.compile`` the forward of ``model`` in place (``nn.Module.compile``):
     the module and its state_dict keys stay as they are, so checkpoints carry
     no compiler prefix, and the wrapper around it (DDP) calls the compiled
     forward in training as evaluation does.  Compilation happens at the first
     forward; a graph that fails to compile runs eagerly, with torch's warning
-    (``torch._dynamo.config.suppress_errors``)."""
+    (``torch._dynamo.config.suppress_errors``).
+
+    ``static`` compiles a graph of static shapes for each input shape
+    (``dynamic=False``) instead of torch's one graph of dynamic shapes after
+    the second: on a CPU, resnet8's training step at sizes 16, 24, 32 took
+    33, 19 and 21 s to compile so, against 41, 34 and 15 s.
+    """
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True
-    model.compile(mode=None if mode == "default" else mode)
+    dynamic = False if static else None  # None: torch's automatic dynamic shapes
+    model.compile(mode=None if mode == "default" else mode, dynamic=dynamic)
     logger.info(
         "MODEL.COMPILE: torch.compile (mode %s) at the first forward; what fails "
         "to compile runs eagerly",
