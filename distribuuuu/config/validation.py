@@ -383,7 +383,7 @@ def _validate_progressive(cfg: CfgNode) -> None:
     ramp = cfg.TRAIN.PROGRESSIVE
     if not ramp.START_SIZE:
         return
-    end_size = ramp.END_SIZE or cfg.TRAIN.IM_SIZE
+    end_size = largest_train_size(cfg)
     _check(
         ramp.MULTIPLE <= ramp.START_SIZE <= end_size,
         "TRAIN.PROGRESSIVE.START_SIZE",

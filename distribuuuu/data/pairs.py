@@ -28,15 +28,6 @@ CLASSES = 10
 PAIRS_MEAN, PAIRS_STD = (0.0656,) * 3, (0.2277,) * 3
 
 
-def multi_hot(label_sets: list[list[int]], classes: int) -> torch.Tensor:
-    """The float32 ``len(label_sets) x classes`` targets: 1 where a sample
-    carries a class, 0 elsewhere."""
-    targets = torch.zeros((len(label_sets), classes), dtype=torch.float32)
-    for row, labels in enumerate(label_sets):
-        targets[row, labels] = 1.0
-    return targets
-
-
 def pair_up(
     images: torch.Tensor, labels: torch.Tensor, seed: int = PAIRS_SEED
 ) -> tuple[torch.Tensor, torch.Tensor]:
