@@ -6,9 +6,15 @@ gradient sync, ddp, zero1, fsdp), then times their optimizer steps
 interleaved, round after round, each round starting with the next way, so
 that the machine's drift and the order touch each alike; a round's step
 takes the time of its slowest rank, and each way's figure is the median
-over the rounds.  Before that, the ranks calibrate
+over the rounds.  Each round starts with the ranks calibrating
 (:func:`distribuuuu.plan.calibrate.calibrate`, as ``DIST.STRATEGY auto``
-does) and predict each way's step (:func:`distribuuuu.plan.cost.step_cost`).
+does at start-up) and predicting each way's step
+(:func:`distribuuuu.plan.cost.step_cost`): the median of those predictions
+judges the cost model under the conditions the steps met, and the first
+round's is what a run planning at start-up would have predicted.  The two
+differ where the machine's speed drifts over seconds: on the 2-core test
+machine a pass of vit_tiny_patch4 at batch 32 takes 700-1200 ms in phases
+of a few seconds, and a 2-second calibration catches one phase.
 """
 
 from __future__ import annotations
@@ -83,16 +89,13 @@ def _step(model: nn.Module, optimizer, images, targets) -> None:
     optimizer.step()
 
 
-def _predict(model: nn.Module, settings: dict, world: int) -> tuple[dict, dict]:
+def _predict(model: nn.Module, flops, settings: dict, world: int) -> tuple:
     """Calibrate on the live group and predict each way's step (seconds)."""
-    arch, size = settings["arch"], settings["image_size"]
     tic = time.perf_counter()
-    flops = count_flops(functools.partial(build_model, arch, 10), size)
-    counted = time.perf_counter()
     measured = calibrate(
         model,
         flops,
-        image_size=size,
+        image_size=settings["image_size"],
         device=torch.device("cpu"),
         procs_per_node=world,
         batch=settings["batch"],
@@ -104,6 +107,7 @@ def _predict(model: nn.Module, settings: dict, world: int) -> tuple[dict, dict]:
         None,
         optimizer_s=measured.optimizer_s,
         sharded_tensor_s=measured.sharded_tensor_s,
+        sharded_collective_s=measured.sharded_collective_s,
     )
     batch = settings["batch"]
     plans = {
@@ -116,14 +120,16 @@ def _predict(model: nn.Module, settings: dict, world: int) -> tuple[dict, dict]:
         way: step_cost(plan, work, cluster).step_s for way, plan in plans.items()
     }
     calibration = {
-        "count_s": counted - tic,
-        "calibrate_s": done - counted,
+        "calibrate_s": done - tic,
         "alpha_ms": 1e3 * measured.intra.latency_s,
         "beta_mb_s": measured.intra.bytes_per_s / 1e6,
+        "gather_share": measured.intra.gather_share,
+        "scatter_share": measured.intra.scatter_share,
         "gflop_per_s": measured.flops_per_s / 1e9,
         "overhead_ms": 1e3 * measured.overhead_s,
         "optimizer_ms": 1e3 * measured.optimizer_s,
         "sharded_tensor_ms": 1e3 * measured.sharded_tensor_s,
+        "sharded_collective_ms": 1e3 * measured.sharded_collective_s,
         "gflop_per_image": flops.per_image / 1e9,
     }
     return predicted, calibration
@@ -135,14 +141,17 @@ def _rank_main(rank: int, world: int, port: int, settings: dict, out: str) -> No
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        model = build_model(settings["arch"], 10)
-        predicted, calibration = _predict(model, settings, world)
+        arch, size = settings["arch"], settings["image_size"]
+        model = build_model(arch, 10)
+        tic = time.perf_counter()
+        flops = count_flops(functools.partial(build_model, arch, 10), size)
+        count_s = time.perf_counter() - tic
         trainers = _trainers(model, world)
-        batch, size = settings["batch"], settings["image_size"]
-        images = torch.randn(batch, 3, size, size)
-        targets = torch.randint(0, 10, (batch,))
-        rounds: list[dict] = []
+        images = torch.randn(settings["batch"], 3, size, size)
+        targets = torch.randint(0, 10, (settings["batch"],))
+        rounds: list[tuple] = []
         for index in range(settings["warmup"] + settings["rounds"]):
+            predicted, calibration = _predict(model, flops, settings, world)
             seconds = {}
             start = index % len(WAYS)  # each way first as often as the others
             for way in WAYS[start:] + WAYS[:start]:
@@ -151,9 +160,9 @@ def _rank_main(rank: int, world: int, port: int, settings: dict, out: str) -> No
                 tic = time.perf_counter()
                 _step(trained, optimizer, images, targets)
                 seconds[way] = time.perf_counter() - tic
-            rounds.append(seconds)
+            rounds.append((seconds, predicted, {**calibration, "count_s": count_s}))
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, (rounds, predicted, calibration))
+        dist.all_gather_object(gathered, rounds)
         if rank == 0:
             torch.save(gathered, out)
     finally:
@@ -169,10 +178,12 @@ def measure_plan_timing(
     warmup: int = 2,
 ) -> dict:
     """Per way (none, ddp, zero1, fsdp): the measured median step (ms, the
-    slowest rank's each round), the predicted one, and each over the step
-    without sync (what the collectives add, apart from the compute's
-    calibration); the calibration (rank 0's figures, the count's and
-    calibration's seconds); and the machine's load average at the end."""
+    slowest rank's each round), the median predicted one, the one predicted
+    at start-up (the first round's), and each over the step without sync
+    (what the collectives add, apart from the compute's calibration); the
+    first calibration (rank 0's figures, the count's and calibration's
+    seconds) and the range of the achieved GFLOP/s the timed rounds'
+    calibrations read; and the machine's load average at the end."""
     settings = {"arch": arch, "image_size": image_size, "batch": batch}
     settings.update(rounds=rounds, warmup=warmup)
     with tempfile.TemporaryDirectory(prefix="distribuuuu-plan-") as work:
@@ -184,26 +195,30 @@ def measure_plan_timing(
             start_method="spawn",
         )
         per_rank = torch.load(out, weights_only=False)
+    timed = range(warmup, warmup + rounds)
+    first = per_rank[0][0]  # the first round's calibration: as at start-up
     rows = {}
     for way in WAYS:
-        slowest = [
-            max(rank[0][r][way] for rank in per_rank)
-            for r in range(warmup, warmup + rounds)
-        ]
+        slowest = [max(rank[r][0][way] for rank in per_rank) for r in timed]
         measured = 1e3 * statistics.median(slowest)
-        predicted = 1e3 * per_rank[0][1][way]
+        predicted = 1e3 * statistics.median(per_rank[0][r][1][way] for r in timed)
+        at_start = 1e3 * first[1][way]
         rows[way] = {
             "measured_ms": measured,
             "predicted_ms": predicted,
             "error": predicted / measured - 1,
+            "start_up_ms": at_start,
+            "start_up_error": at_start / measured - 1,
         }
     for row in rows.values():  # what the sync adds to a step without it
         row["measured_over_none"] = row["measured_ms"] / rows["none"]["measured_ms"]
         row["predicted_over_none"] = row["predicted_ms"] / rows["none"]["predicted_ms"]
+    speeds = [per_rank[0][r][2]["gflop_per_s"] for r in timed]
     return {
         "ways": rows,
         "judged": judge(rows),
-        "calibration": per_rank[0][2],
+        "calibration": first[2],
+        "gflop_per_s_range": (min(speeds), max(speeds)),
         "load": os.getloadavg(),
     }
 
@@ -232,11 +247,15 @@ def judge(rows: dict) -> dict:
 
 def format_plan_timing(result: dict) -> str:
     """The result of :func:`measure_plan_timing` as a table."""
-    lines = ["way     measured ms  predicted ms  error   / none: measured  predicted"]
+    lines = [
+        "way     measured ms  predicted ms  error   at start-up  error"
+        "   / none: measured  predicted"
+    ]
     for way, row in result["ways"].items():
         lines.append(
             f"{way:<7} {row['measured_ms']:>11.1f} {row['predicted_ms']:>13.1f} "
-            f"{row['error']:>+6.1%} {row['measured_over_none']:>17.3f} "
+            f"{row['error']:>+6.1%} {row['start_up_ms']:>12.1f} "
+            f"{row['start_up_error']:>+6.1%} {row['measured_over_none']:>17.3f} "
             f"{row['predicted_over_none']:>10.3f}"
         )
     judged = result["judged"]
@@ -250,15 +269,20 @@ def format_plan_timing(result: dict) -> str:
         f"over the fastest measured ({judged['best']}; at most "
         f"{CHOSEN_SLACK:.0%} asked)"
     )
-    cal = result["calibration"]
+    cal, (slow, fast) = result["calibration"], result["gflop_per_s_range"]
     lines.append(
-        f"alpha {cal['alpha_ms']:.2f} ms, beta {cal['beta_mb_s']:.0f} MB/s, "
+        f"first calibration: alpha {cal['alpha_ms']:.2f} ms, "
+        f"beta {cal['beta_mb_s']:.0f} MB/s, "
         f"{cal['gflop_per_s']:.1f} GFLOP/s + {cal['overhead_ms']:.1f} ms a pass, "
         f"optimizer {cal['optimizer_ms']:.1f} ms "
         f"+ {cal['sharded_tensor_ms']:.2f} ms a DTensor, "
+        f"FSDP {cal['sharded_collective_ms']:.2f} ms a collective, "
+        f"gathers at {cal['gather_share']:.2f} and reduce-scatters at "
+        f"{cal['scatter_share']:.2f} of beta, "
         f"{cal['gflop_per_image']:.3f} GFLOP/image "
         f"(counted in {cal['count_s']:.2f} s, calibrated in {cal['calibrate_s']:.2f} s)"
     )
+    lines.append(f"the timed rounds' calibrations read {slow:.1f}-{fast:.1f} GFLOP/s")
     if "load" in result:
         lines.append(f"load average at the end: {result['load'][0]:.1f}")
     return "\n".join(lines)

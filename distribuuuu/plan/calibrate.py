@@ -6,9 +6,10 @@ one element and of a few MiB on the live process group give alpha (the
 latency of a collective) and beta (the bus bandwidth, nccl-tests' busbw:
 ``2(n-1)/n x bytes / (t - alpha)``); one forward and backward pass of the
 model at a small batch, over its counted FLOPs, gives the achieved FLOP/s;
-on the CPU, which has no datasheet, a square matrix product gives the peak.
-Every rank measures and the ranks keep the slowest figures, so that all of
-them plan alike.
+on the CPU, which has no datasheet, a square matrix product gives the peak;
+FSDP's own work per sharded tensor and per collective is timed on a small
+model (:mod:`distribuuuu.plan.sharding_costs`).  Every rank measures and
+the ranks keep the slowest figures, so that all of them plan alike.
 
 On paper (:func:`paper_calibration`): the figures come from flags
 (``--intra-gbps``, ``--inter-gbps``, ``--latency-us``) and the device's
@@ -26,12 +27,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
 
 from distribuuuu.plan.devices import dense_peak_flops, find_device
 from distribuuuu.plan.flops import ModelFlops
 from distribuuuu.plan.links import Cluster, Link
+from distribuuuu.plan.sharding_costs import (
+    COLLECTIVES_PER_UNIT,
+    measure_sharded_tensor_s,
+    measure_sharded_unit_s,
+)
+from distribuuuu.plan.timing import median_s, synchronize
 
 # The share of the dense peak a model reaches, where it cannot be measured
 # (on paper): an assumption.  Megatron-LM's largest GPT runs reached 52% of
@@ -48,6 +53,10 @@ PAPER_LATENCY_US = {"cuda": 20.0, "cpu": 1500.0}
 # The model's speed is the line through a pass of SMALL_BATCH images and one
 # of the run's micro-batch, or of as many images as take about LARGE_PASS_S.
 SMALL_BATCH, LARGE_PASS_S = 2, 0.5
+# torch 2.14 renamed the tensor forms of all-gather and reduce-scatter
+# (``*_single``) and deprecated the old names, which older releases keep.
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,9 @@ class Calibration:
     overhead_s: float = 0.0  # of one forward and backward pass beyond its FLOPs
     optimizer_s: float = 0.0  # of an optimizer step over all the parameters
     sharded_tensor_s: float = 0.0  # of its step per DTensor parameter (dispatch)
+    # FSDP's own seconds per gather or reduction, beyond the wire's alpha
+    # and beta (hooks, copies, DTensor: plan/sharding_costs.py)
+    sharded_collective_s: float = 0.0
     host: Link | None = None  # device <-> host memory; None on a CPU
     device_type: str = "cpu"  # "cuda": collectives overlap compute
 
@@ -85,24 +97,6 @@ class Calibration:
         return self.peak_flops * self.efficiency
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_s(run: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``run()`` after one warm-up call."""
-    run()
-    _synchronize(device)
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        run()
-        _synchronize(device)
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times)
-
-
 def slowest(values: list[float], device: torch.device, group=None) -> list[float]:
     """Each of ``values`` at its largest over the ranks of ``group`` (as it
     is without a process group): the ranks plan from the same figures."""
@@ -120,10 +114,12 @@ def measure_link(
     repeats: int = 5,
 ) -> Link | None:
     """Alpha and beta of the all-reduces of ``group`` (the world by
-    default), or None without a process group of more than one rank: the
-    medians of ``repeats`` all-reduces of ``large_bytes`` and of 4 x as many
-    of one element (cheap, and a rank held up for a few of them does not
-    set the latency).  A collective: every rank of the group calls it."""
+    default), and the share of that beta its all-gathers and
+    reduce-scatters reach, or None without a process group of more than
+    one rank: the medians of ``repeats`` collectives of ``large_bytes`` and
+    of 4 x as many all-reduces of one element (cheap, and a rank held up
+    for a few of them does not set the latency).  A collective: every rank
+    of the group calls it."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     size = dist.get_world_size(group)
@@ -131,12 +127,29 @@ def measure_link(
         return None
     small = torch.zeros(1, device=device)
     large = torch.zeros(large_bytes // 4, device=device)
+    shard = torch.zeros(large.numel() // size, device=device)
     dist.barrier(group=group)
-    alpha = _median_s(lambda: dist.all_reduce(small, group=group), device, 4 * repeats)
-    whole = _median_s(lambda: dist.all_reduce(large, group=group), device, repeats)
-    alpha, whole = slowest([alpha, whole], device, group)
+    timed = [
+        median_s(lambda: dist.all_reduce(small, group=group), device, 4 * repeats),
+        median_s(lambda: dist.all_reduce(large, group=group), device, repeats),
+        median_s(
+            lambda: ALL_GATHER(large, shard, group=group),
+            device,
+            repeats,
+        ),
+        median_s(
+            lambda: REDUCE_SCATTER(shard, large, group=group),
+            device,
+            repeats,
+        ),
+    ]
+    alpha, *whole = slowest(timed, device, group)
     moved = 2 * (size - 1) / size * large_bytes
-    return Link(alpha, moved / max(whole - alpha, 1e-9))
+    beta, gather, scatter = (
+        factor * moved / max(seconds - alpha, 1e-9)
+        for factor, seconds in zip((1.0, 0.5, 0.5), whole, strict=True)
+    )
+    return Link(alpha, beta, gather / beta, scatter / beta)
 
 
 def measure_host_link(
@@ -148,34 +161,9 @@ def measure_host_link(
         return None
     small = torch.zeros(1).pin_memory()
     large = torch.zeros(nbytes // 4).pin_memory()
-    alpha = _median_s(lambda: small.to(device, non_blocking=True), device, repeats)
-    whole = _median_s(lambda: large.to(device, non_blocking=True), device, repeats)
+    alpha = median_s(lambda: small.to(device, non_blocking=True), device, repeats)
+    whole = median_s(lambda: large.to(device, non_blocking=True), device, repeats)
     return Link(alpha, nbytes / max(whole - alpha, 1e-9))
-
-
-def measure_sharded_tensor_s(
-    device: torch.device,
-    optimizer_class: Callable[[list], torch.optim.Optimizer] = torch.optim.AdamW,
-    tensors: int = 8,
-) -> float:
-    """Seconds an optimizer step spends per parameter sharded as a DTensor
-    over the world (as FSDP's are): small tensors, so that DTensor's
-    dispatch is what is timed.  0 without a process group of more than one
-    rank.  A collective (the world's mesh): every rank calls it."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0.0
-    size = dist.get_world_size()
-    if size <= 1:
-        return 0.0
-    mesh = init_device_mesh(device.type, (size,))
-    params = []
-    for _ in range(tensors):
-        whole = torch.zeros(64 * size, device=device)
-        param = nn.Parameter(distribute_tensor(whole, mesh, [Shard(0)]))
-        param.grad = distribute_tensor(torch.zeros_like(whole), mesh, [Shard(0)])
-        params.append(param)
-    optimizer = optimizer_class(params)
-    return _median_s(optimizer.step, device, repeats=3) / tensors
 
 
 def measure_peak_flops(
@@ -185,7 +173,7 @@ def measure_peak_flops(
     with this process's threads: the CPU's peak, which no datasheet gives."""
     a = torch.full((size, size), 0.5, device=device)
     b = torch.full((size, size), 0.25, device=device)
-    seconds = _median_s(lambda: a @ b, device, repeats)
+    seconds = median_s(lambda: a @ b, device, repeats)
     return 2 * size**3 / seconds
 
 
@@ -223,7 +211,7 @@ def _train_pass(
         with torch.autocast(device.type, amp_dtype, enabled=on):
             loss = model(images).float().sum()
         loss.backward()
-        _synchronize(device)
+        synchronize(device)
         return time.perf_counter() - tic
 
     return timed
@@ -313,7 +301,7 @@ def measure_optimizer_s(
     weights = nn.Parameter(torch.zeros(size, device=device))
     weights.grad = torch.zeros_like(weights)
     optimizer = optimizer_class([weights])
-    return _median_s(optimizer.step, device, repeats=3) * parameters / size
+    return median_s(optimizer.step, device, repeats=3) * parameters / size
 
 
 def device_peak_flops(
@@ -364,6 +352,22 @@ def measure_device(
     return DeviceSpeed(peak, achieved / peak, overhead, optimizer)
 
 
+def _measure_links(device: torch.device, procs_per_node: int) -> tuple[Link, Link]:
+    """(within a node, between nodes): the world's collectives give the
+    link between nodes (a ring crosses each node's link once) and, on one
+    node, the link within it; across nodes the nodes' own groups give the
+    link within one.  A collective: every rank calls it."""
+    world = measure_link(device) or Link(0.0, float("inf"))  # none in one process
+    intra = world
+    size = dist.get_world_size() if dist.is_initialized() else 1
+    if 1 < procs_per_node < size and size % procs_per_node == 0:
+        node_group, groups = dist.new_subgroups(group_size=procs_per_node)
+        intra = measure_link(device, node_group) or world
+        for group in groups:
+            dist.destroy_process_group(group)
+    return intra, world
+
+
 def calibrate(
     model: nn.Module,
     flops: ModelFlops,
@@ -378,10 +382,11 @@ def calibrate(
 
     ``model``: the plain model on ``device``, left as it was; ``flops``: its
     count; ``batch``: the run's micro-batch under ddp.  Every rank measures
-    its device (:func:`measure_device`) and the slowest figures are kept.
-    The world's all-reduces give the link between nodes (a ring crosses each
-    node's link once) and, on one node, the link within it; across nodes the
-    nodes' own groups give the link within one.
+    its device (:func:`measure_device`) and the slowest figures are kept;
+    then the links (:func:`measure_link`, within and between nodes).
+    FSDP's machinery is timed on units of the model's mean number of
+    parameter tensors (:mod:`distribuuuu.plan.sharding_costs`), less the
+    wire's latency.
     """
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # the ranks measure side by side, as they will train
@@ -393,23 +398,19 @@ def calibrate(
         batch=batch,
         amp_dtype=amp_dtype,
     )
-    per_flop, overhead, optimizer, sharded = slowest(
+    tensors_per_unit = flops.parameter_tensors / (len(flops.blocks) + 1)
+    per_flop, overhead, optimizer, sharded, unit = slowest(
         [
             1 / speed.efficiency,
             speed.overhead_s,
             speed.optimizer_s,
             measure_sharded_tensor_s(device),
+            measure_sharded_unit_s(device, tensors_per_unit),
         ],
         device,
     )
-    world = measure_link(device) or Link(0.0, float("inf"))  # none in one process
-    intra = world
-    size = dist.get_world_size() if dist.is_initialized() else 1
-    if 1 < procs_per_node < size and size % procs_per_node == 0:
-        node_group, groups = dist.new_subgroups(group_size=procs_per_node)
-        intra = measure_link(device, node_group) or world
-        for group in groups:
-            dist.destroy_process_group(group)
+    intra, world = _measure_links(device, procs_per_node)
+    machinery = max(unit / COLLECTIVES_PER_UNIT - world.latency_s, 0.0)
     return Calibration(
         intra,
         world,
@@ -419,6 +420,7 @@ def calibrate(
         overhead_s=overhead,
         optimizer_s=optimizer,
         sharded_tensor_s=sharded,
+        sharded_collective_s=machinery,
         host=measure_host_link(device),
         device_type=device.type,
     )

@@ -98,6 +98,9 @@ class Workload:
     # DTensor (FSDP's shards, tensor-parallel blocks): DTensor's dispatch,
     # whatever the tensor's size.
     sharded_tensor_s: float = 0.0
+    # Seconds FSDP's passes spend per gather or reduction of a unit beyond
+    # the wire's (hooks, copies, DTensor): exposed on a CPU.
+    sharded_collective_s: float = 0.0
 
     @classmethod
     def of(
@@ -254,20 +257,31 @@ def _zero1_s(step: _Step) -> float:
     return _ddp_s(step) + broadcasts
 
 
-def _sharded_s(step: _Step, size: int, stride: int, reduce_every: bool) -> tuple:
+def _sharded_s(
+    step: _Step, size: int, stride: int, reduce_every: bool, machinery: bool
+) -> tuple:
     """Gathers and reductions of units sharded over ``size`` ranks: each
     unit gathered for its forward and again for its backward (the root
     once, it is not resharded between them), its gradients reduce-scattered
-    on the last micro-batch (on every one with ``reduce_every``).  Returns
-    (seconds, first gather + last reduction)."""
+    on the last micro-batch (on every one with ``reduce_every``); with
+    ``machinery``, FSDP's own work around each of them.  Returns (seconds,
+    first gather + last reduction)."""
     cluster, work, plan = step.cluster, step.work, step.plan
     units = step.unit_params()
     gathers = [
         gather_s(cluster, u * work.compute_param_bytes, size, stride) for u in units
     ]
-    reduces = [gather_s(cluster, u * work.param_bytes, size, stride) for u in units]
+    reduces = [
+        gather_s(cluster, u * work.param_bytes, size, stride, scatter=True)
+        for u in units
+    ]
     per_micro = 2 * sum(gathers) - gathers[-1]
     reductions = sum(reduces) * (plan.accum_steps if reduce_every else 1)
+    if machinery:  # around each of the gathers and reductions above
+        held = [u for u in units if u > 0]
+        gathered = 2 * len(held) - (units[-1] > 0)
+        per_micro += gathered * work.sharded_collective_s
+        reductions += len(held) * work.sharded_collective_s
     shard_bytes = sum(units) / max(size, 1)
     offload = step.offload_s(shard_bytes * work.compute_param_bytes * 2)
     offload = offload * plan.accum_steps + step.offload_s(
@@ -279,7 +293,7 @@ def _sharded_s(step: _Step, size: int, stride: int, reduce_every: bool) -> tuple
 
 def _fsdp_s(step: _Step) -> float:
     """FSDP2 over the data-parallel ranks (``tp`` apart)."""
-    seconds, edges = _sharded_s(step, step.dp, step.tp, reduce_every=False)
+    seconds, edges = _sharded_s(step, step.dp, step.tp, False, machinery=True)
     return step.hidden(seconds, edges)
 
 
@@ -288,7 +302,7 @@ def _hsdp_s(step: _Step) -> float:
     unit's gradient shard all-reduced across the groups (``replicate``)."""
     shard = _degree(step.plan.shard_size)
     replicas = max(step.dp // shard, 1)
-    seconds, edges = _sharded_s(step, shard, 1, reduce_every=False)
+    seconds, edges = _sharded_s(step, shard, 1, False, machinery=True)
     nbytes = step.work.param_bytes / shard
     seconds += sum(
         all_reduce_s(step.cluster, u * nbytes, replicas, shard)
@@ -312,7 +326,7 @@ def _deepspeed_s(step: _Step) -> float:
     compute dtype."""
     stage, plan, work = _degree(step.plan.zero_stage), step.plan, step.work
     if stage >= 3:
-        seconds, edges = _sharded_s(step, step.dp, 1, reduce_every=True)
+        seconds, edges = _sharded_s(step, step.dp, 1, True, machinery=False)
         return step.hidden(seconds, edges)
     nbytes = work.flops.parameters * work.compute_param_bytes
     reduces = _buckets_s(step, nbytes) * (plan.accum_steps if stage == 2 else 1)

@@ -25,6 +25,10 @@ class Link:
 
     latency_s: float  # alpha: seconds of one collective, however small
     bytes_per_s: float  # beta: bus bandwidth, bytes per second over each link
+    # The share of beta an all-gather and a reduce-scatter reach: 1 as the
+    # ring algorithms go (NCCL); gloo's, measured, reach less.
+    gather_share: float = 1.0
+    scatter_share: float = 1.0
 
     @classmethod
     def of(cls, gbit_per_s: float, latency_us: float) -> Link:
@@ -79,11 +83,15 @@ def all_reduce_s(cluster: Cluster, nbytes: float, size: int, stride: int = 1) ->
     return link.seconds(2 * (size - 1) / size * nbytes, share)
 
 
-def gather_s(cluster: Cluster, nbytes: float, size: int, stride: int = 1) -> float:
-    """An all-gather (or reduce-scatter) whose whole tensor is ``nbytes``."""
+def gather_s(
+    cluster: Cluster, nbytes: float, size: int, stride: int = 1, scatter=False
+) -> float:
+    """An all-gather (a reduce-scatter with ``scatter``) whose whole tensor
+    is ``nbytes``."""
     if size <= 1 or nbytes <= 0:
         return 0.0
     link, share = group_link(cluster, size, stride)
+    share *= link.scatter_share if scatter else link.gather_share
     return link.seconds((size - 1) / size * nbytes, share)
 
 

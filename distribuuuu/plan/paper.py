@@ -188,6 +188,7 @@ class PaperRun:
             virtual_stages=self.cfg.DIST.PIPELINE.VIRTUAL_STAGES,
             optimizer_s=calibration.optimizer_s,
             sharded_tensor_s=calibration.sharded_tensor_s,
+            sharded_collective_s=calibration.sharded_collective_s,
             gradient_share=compressed_share(
                 strategy_spec(self.cfg).comm_hook, self.flops.shapes
             ),

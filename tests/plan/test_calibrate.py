@@ -17,6 +17,8 @@ from distribuuuu.plan.calibrate import (
     paper_calibration,
 )
 from distribuuuu.plan.flops import count_flops
+from distribuuuu.plan.sharding_costs import measure_sharded_unit_s
+from distribuuuu.plan.tracing import fake_world
 
 
 def test_calibrating_leaves_the_model_as_it_was():
@@ -118,3 +120,16 @@ def test_the_speed_is_measured_up_to_the_run_s_batch_where_memory_holds_it(
     assert flops_per_s > 0 and overhead >= 0
     assert max(b for b in model.seen if b <= most) == largest
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_fsdp_s_machinery_is_timed_without_a_draw_from_the_rng():
+    """Over a world of 2 (the fake process group: collectives return at
+    once), FSDP's passes cost more than the plain copy's, which is FSDP's
+    own work; the probe's layers take their weights without moving the
+    caller's RNG.  Without a process group there is nothing to time."""
+    assert measure_sharded_unit_s(torch.device("cpu"), 16) == 0.0
+    rng = torch.get_rng_state()
+    with fake_world(2, 0):
+        per_unit = measure_sharded_unit_s(torch.device("cpu"), 16)
+    assert per_unit > 0
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -207,6 +207,36 @@ def test_sharded_optimizer_steps_pay_dtensor_dispatch_per_tensor():
     assert fsdp.step_s - plain.step_s == pytest.approx(expected)
 
 
+def test_fsdp_pays_its_machinery_around_each_gather_and_reduction():
+    """On an endless, latency-free link, FSDP's passes still cost its own
+    work around each collective: ViT-B's 12 blocks and its root are each
+    gathered for the forward and (the blocks) again for the backward, and
+    each reduced once: 12 x 2 + 1 + 13 = 38 collectives a micro-batch of 1
+    ms each, 25 per further micro-batch (gradients reduce on the last)."""
+    free = cluster(1, 2, intra=Link(0.0, float("inf")))
+    work = Workload(VIT_B, sharded_collective_s=1e-3)
+    bare = Workload(VIT_B)
+    for accum, collectives in ((1, 38), (2, 38 + 25)):
+        plan = TimedPlan("fsdp", 2, 32, accum_steps=accum)
+        extra = step_cost(plan, work, free).step_s - step_cost(plan, bare, free).step_s
+        assert extra == pytest.approx(collectives * 1e-3)
+    ddp = TimedPlan("ddp", 2, 32)
+    assert step_cost(ddp, work, free).step_s == step_cost(ddp, bare, free).step_s
+
+
+def test_reduce_scatters_cost_what_the_link_measured_of_them():
+    """gloo's reduce-scatters reach a share of its all-reduces' bandwidth
+    (measured): at half of it, FSDP's gradient reductions take twice as
+    long on the wire, its gathers are unchanged."""
+    even, slow = Link(0.0, 1e9), Link(0.0, 1e9, scatter_share=0.5)
+    plan = TimedPlan("fsdp", 2, 32)
+    work = Workload(VIT_B)
+    base = step_cost(plan, work, cluster(1, 2, intra=even)).comm_s
+    halved = step_cost(plan, work, cluster(1, 2, intra=slow)).comm_s
+    reductions = VIT_B.parameters * 4 / 2 / 1e9  # (n - 1) / n of the gradients
+    assert halved - base == pytest.approx(reductions)
+
+
 def test_an_unknown_strategy_is_refused():
     with pytest.raises(ValueError, match="no cost model for strategy 'dp'"):
         step_cost(TimedPlan("dp", 2, 32), Workload(VIT_B), cluster())
