@@ -2,14 +2,17 @@
 ``tools/benchmark.py --only pipeline``).
 
 Each of ``stages`` gloo processes holds an equal stage (a stack of linear
-layers), so the work of every stage is the same.  A rank first times its
-stage's forward and backward of one micro-batch alone; then it times whole
-schedule steps of ``micro`` micro-batches.  The bubble is the share of a
-step the rank does not spend computing: ``1 - micro x t_micro / t_step``
-(waiting for the neighbours and the point-to-point transfers).  GPipe and
-1F1B have the same ideal bubble, ``(S - 1) / (M + S - 1)`` (Narayanan et al.,
+layers), so the work of every stage is the same.  The bubble is the share
+of a schedule step the rank's thread does not run, ``1 - thread time /
+wall time`` (waiting for its neighbours, while gloo's own threads move the
+activations), measured within each step, so that it holds while the
+machine's speed drifts (the test machine's does, in phases of seconds); the
+median over the steps, the mean over the ranks.  GPipe and 1F1B
+have the same ideal bubble, ``(S - 1) / (M + S - 1)`` (Narayanan et al.,
 "Efficient Large-Scale Language Model Training on GPU Clusters", 2021, sec.
-2.2); 1F1B holds at most S micro-batches of activations instead of M.
+2.2), which is what the planner predicts
+(:func:`distribuuuu.plan.cost.bubble_fraction`); 1F1B holds at most S
+micro-batches of activations instead of M.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from distribuuuu.dist.spawn import find_free_port
+from distribuuuu.plan.calibrate import measure_link
+from distribuuuu.plan.cost import bubble_fraction
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -36,28 +41,47 @@ def _stage(width: int, layers: int) -> nn.Module:
     )
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up (the schedule's first step also infers shapes)
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times)
-
-
-def _step_seconds(
-    kind, module, *, rank: int, stages: int, micro: int, settings: dict
-) -> float:
-    """Median seconds of a schedule step of ``micro`` micro-batches."""
+def _schedule_step(kind, module, *, rank: int, stages: int, micro: int, settings):
+    """A function that runs one schedule step of ``micro`` micro-batches."""
     stage = PipelineStage(module, rank, stages, torch.device("cpu"))
     schedule = kind(stage, micro, loss_fn=lambda y, t: y.sum())
     batch, width = settings["batch"], settings["width"]
     args = (torch.randn(batch, width),) if rank == 0 else ()
     target = torch.zeros(batch, width) if rank == stages - 1 else None
-    return _median_seconds(
-        lambda: schedule.step(*args, target=target), settings["repeats"]
-    )
+    return lambda: schedule.step(*args, target=target)
+
+
+def _bubbles(module, *, rank: int, stages: int, micro: int, settings) -> list:
+    """Per schedule: the median over the repeats of the step's seconds and
+    of the share of them this rank's thread did not run (``1 - thread time
+    / wall time``)."""
+    rows = []
+    for name, kind in SCHEDULES.items():
+        step = _schedule_step(
+            kind, module, rank=rank, stages=stages, micro=micro, settings=settings
+        )
+        step()  # warm-up (the first step infers the shapes)
+        walls, idle, predicted = [], [], []
+        for _ in range(settings["repeats"]):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            step()
+            wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+            walls.append(wall)
+            idle.append(max(0.0, 1 - cpu / wall))
+            slots = micro + stages - 1  # of the busiest stage: this one's
+            slot = cpu / micro + 2 * settings["transfer_s"][micro]
+            predicted.append(1 - cpu / (slots * slot))
+        rows.append(
+            {
+                "schedule": name,
+                "micro_batches": micro,
+                "step_ms": 1e3 * statistics.median(walls),
+                "bubble": statistics.median(idle),
+                "ideal_bubble": bubble_fraction(stages, micro),
+                "predicted_bubble": statistics.median(predicted),
+            }
+        )
+    return rows
 
 
 def _rank_main(rank: int, stages: int, port: int, settings: dict, out: str) -> None:
@@ -66,34 +90,20 @@ def _rank_main(rank: int, stages: int, port: int, settings: dict, out: str) -> N
     dist.init_process_group("gloo", rank=rank, world_size=stages)
     try:
         torch.manual_seed(rank)
-        width, batch = settings["width"], settings["batch"]
-        module = _stage(width, settings["layers"])
-        results = []
-        for micro in settings["micro"]:
-            x = torch.randn(batch // micro, width, requires_grad=rank > 0)
-
-            def alone(x=x) -> None:
-                module(x).sum().backward()
-
-            t_micro = _median_seconds(alone, settings["repeats"])
-            for name, kind in SCHEDULES.items():
-                t_step = _step_seconds(
-                    kind,
-                    module,
-                    rank=rank,
-                    stages=stages,
-                    micro=micro,
-                    settings=settings,
-                )
-                results.append(
-                    {
-                        "schedule": name,
-                        "micro_batches": micro,
-                        "step_ms": 1e3 * t_step,
-                        "bubble": max(0.0, 1 - micro * t_micro / t_step),
-                        "ideal_bubble": (stages - 1) / (micro + stages - 1),
-                    }
-                )
+        module = _stage(settings["width"], settings["layers"])
+        link = measure_link(torch.device("cpu"))
+        assert link is not None  # a group of two ranks at least
+        activation = 4 * settings["width"] * settings["batch"]
+        settings["transfer_s"] = {
+            micro: link.seconds(activation / micro) for micro in settings["micro"]
+        }
+        results = [
+            row
+            for micro in settings["micro"]
+            for row in _bubbles(
+                module, rank=rank, stages=stages, micro=micro, settings=settings
+            )
+        ]
         gathered: list[list | None] = [None] * stages
         dist.all_gather_object(gathered, results)
         if rank == 0:
@@ -111,7 +121,10 @@ def measure_bubble(
     repeats: int = 5,
 ) -> list[dict]:
     """Per schedule and micro-batch count: the step time and bubble, each the
-    mean over the ranks, beside the ideal bubble."""
+    mean over the ranks, beside the ideal bubble and the planner's
+    prediction of the share of the step a stage does not compute (the
+    ideal bubble's slots, each with its two transfers priced on the
+    measured link, :func:`distribuuuu.plan.cost.pipeline_cost`'s model)."""
     settings = {"micro": micro, "width": width, "layers": layers}
     settings.update(batch=batch, repeats=repeats)
     with tempfile.TemporaryDirectory(prefix="distribuuuu-bubble-") as work:
@@ -131,6 +144,7 @@ def measure_bubble(
                 **first,
                 "step_ms": statistics.mean(r["step_ms"] for r in same),
                 "bubble": statistics.mean(r["bubble"] for r in same),
+                "predicted_bubble": max(r["predicted_bubble"] for r in same),
             }
         )
     return rows
@@ -138,10 +152,11 @@ def measure_bubble(
 
 def format_bubble(rows: list[dict]) -> str:
     """The rows of :func:`measure_bubble` as a table."""
-    lines = ["schedule  micro-batches  step ms  bubble  ideal"]
+    lines = ["schedule  micro-batches  step ms  bubble  ideal  predicted"]
     lines += [
         f"{r['schedule']:<9} {r['micro_batches']:>13} {r['step_ms']:>8.1f} "
-        f"{r['bubble']:>7.1%} {r['ideal_bubble']:>6.1%}"
+        f"{r['bubble']:>7.1%} {r['ideal_bubble']:>6.1%} "
+        f"{r['predicted_bubble']:>10.1%}"
         for r in rows
     ]
     return "\n".join(lines)
