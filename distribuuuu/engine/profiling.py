@@ -143,7 +143,7 @@ class StepProfiler:
         if spec is None or spec.steps <= 0 or not first_epoch or steps_left <= 0:
             return None
         if state.flops is not None:  # counted before it starts: not in its trace
-            state.flops.count_once()
+            state.flops.count_once(state.progress.epoch)
         return cls(spec, state.device, du.get_rank(), steps_left)
 
     def watch(self, batches: Iterator) -> Iterator:

@@ -180,11 +180,13 @@ def train_scalars(stats: dict, speed: dict, lr: float, data_ms: float) -> dict:
 
 
 def window_flops(state: TrainState, window_steps: int, elapsed: float) -> dict:
-    """The TFLOP/s per device of a window of ``window_steps`` optimizer steps,
-    and its MFU where the device's peak is known ({} without a FLOP count)."""
+    """The TFLOP/s per device of a window of ``window_steps`` optimizer steps
+    (at the epoch's crop), and its MFU where the device's peak is known ({}
+    without a FLOP count)."""
     if state.flops is None:
         return {}
-    return state.flops.of_window(window_steps * state.plan.global_batch, elapsed)
+    images = window_steps * state.plan.global_batch
+    return state.flops.of_window(images, elapsed, state.progress.epoch)
 
 
 def stop_on_nonfinite_loss(state: TrainState, stats: dict, step: int) -> None:

@@ -286,7 +286,15 @@ def flop_meter(
     """The TFLOP/s and MFU of the run's windows (on a CPU, against the peak
     that DIST.STRATEGY auto calibrated; none without it)."""
     peak = check.planned.peak_flops if check else None
-    return FlopMeter(specs.model_spec(cfg), cfg.TRAIN.IM_SIZE, devices, amp_dtype, peak)
+    ramp = specs.size_ramp(cfg)
+    return FlopMeter(
+        specs.model_spec(cfg),
+        cfg.TRAIN.IM_SIZE,
+        devices,
+        amp_dtype,
+        peak,
+        crop_of=ramp.size if ramp else None,
+    )
 
 
 def run_batch_plan(

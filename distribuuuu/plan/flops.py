@@ -204,8 +204,9 @@ def measure_flop_rate(
         return None
     peak, source = device_peak(devices[0], amp_dtype, flops.conv_share, calibrated_peak)
     logger.info(
-        "%.4g GFLOP per training image (forward and backward)%s",
+        "%.4g GFLOP per training image of %d px (forward and backward)%s",
         flops.per_image / 1e9,
+        image_size,
         f"; dense peak {peak / 1e12:.4g} TFLOP/s per device ({source})" if peak else "",
     )
     processes = du.get_world_size()
@@ -215,10 +216,12 @@ def measure_flop_rate(
 class FlopMeter:
     """The TFLOP/s and MFU of a run's training windows.
 
-    It counts the model's FLOPs (:func:`measure_flop_rate`, 0.05-0.5 s on a
-    CPU core) when its first window is logged, after that window's time was
-    taken and before the next one's starts: the run's start-up and its
-    measured windows pay nothing for it.
+    It counts the model's FLOPs at an epoch's crop (:func:`measure_flop_rate`,
+    0.05-0.5 s on a CPU core) when the first window of that crop is logged,
+    after that window's time was taken and before the next one's starts: the
+    run's start-up and its measured windows pay nothing for it.  Under
+    TRAIN.PROGRESSIVE (``crop_of``: an epoch's crop) each crop of the ramp
+    is counted once.
     """
 
     def __init__(
@@ -228,20 +231,29 @@ class FlopMeter:
         devices: list[torch.device],
         amp_dtype: torch.dtype | None,
         calibrated_peak: float | None = None,
+        crop_of: Callable[[int], int] | None = None,
     ):
         self.count = functools.partial(
-            measure_flop_rate, model, image_size, devices, amp_dtype, calibrated_peak
+            measure_flop_rate,
+            model,
+            devices=devices,
+            amp_dtype=amp_dtype,
+            calibrated_peak=calibrated_peak,
         )
-        self.rate: FlopRate | None = None
-        self.counted = False
+        self.crop_of = crop_of or (lambda epoch: image_size)
+        self.rates: dict[int, FlopRate | None] = {}
 
-    def count_once(self) -> None:
-        """Count the FLOPs now if not yet: before a profiler starts, so that
-        its trace holds the training steps alone."""
-        if not self.counted:
-            self.rate, self.counted = self.count(), True
+    def count_once(self, epoch: int) -> FlopRate | None:
+        """The FLOP rate of ``epoch`` (from 0), counted now if not yet:
+        before a profiler starts, so that its trace holds the training
+        steps alone."""
+        size = self.crop_of(epoch)
+        if size not in self.rates:
+            self.rates[size] = self.count(image_size=size)
+        return self.rates[size]
 
-    def of_window(self, images: int, seconds: float) -> dict:
-        """:meth:`FlopRate.of_window`, or {} for a model not counted."""
-        self.count_once()
-        return {} if self.rate is None else self.rate.of_window(images, seconds)
+    def of_window(self, images: int, seconds: float, epoch: int) -> dict:
+        """:meth:`FlopRate.of_window` at ``epoch``'s crop, or {} for a model
+        not counted."""
+        rate = self.count_once(epoch)
+        return {} if rate is None else rate.of_window(images, seconds)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import types
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from distribuuuu.models import build_model
 from distribuuuu.plan import flops as plan_flops
 from distribuuuu.plan.cost import Workload, bubble_fraction, pipeline_cost, step_cost
 from distribuuuu.plan.devices import dense_peak_flops, find_device
-from distribuuuu.plan.flops import BlockProfile, ModelFlops, count_flops
+from distribuuuu.plan.flops import BlockProfile, FlopMeter, ModelFlops, count_flops
 from distribuuuu.plan.links import Cluster, Link
 
 # A ViT-B/16-like model on paper: 12 equal blocks, 86 M parameters.
@@ -355,6 +356,25 @@ def test_a_run_logs_its_tflops_and_mfu_only_with_a_known_peak(tmp_path, monkeypa
     events.Reload()
     shown = [event.value for event in events.Scalars("train/mfu")]
     assert shown == pytest.approx([r["mfu"] for r in calibrated])
+
+
+def test_the_flop_rate_follows_the_progressive_crop():
+    """Under TRAIN.PROGRESSIVE an epoch at 16 px does a quarter of the FLOPs
+    of one at 32 px (resnet8 is all convolutions and pooling): the same
+    images in the same seconds show a quarter of the TFLOP/s.  Each crop is
+    counted once."""
+    meter = FlopMeter(
+        types.SimpleNamespace(arch="resnet8", num_classes=10),
+        32,
+        [torch.device("cpu")],
+        None,
+        crop_of=lambda epoch: (16, 32)[epoch],
+    )
+    small, large = (meter.of_window(64, 1.0, epoch) for epoch in (0, 1))
+    assert small["tflops_per_device"] == pytest.approx(
+        large["tflops_per_device"] / 4, rel=0.02
+    )
+    assert sorted(meter.rates) == [16, 32]
 
 
 def test_a_compressing_hook_shortens_ddps_exposed_all_reduce_across_nodes():
