@@ -258,7 +258,7 @@ def _zero1_s(step: _Step) -> float:
 
 
 def _sharded_s(
-    step: _Step, size: int, stride: int, reduce_every: bool, machinery: bool
+    step: _Step, size: int, stride: int, *, reduce_every: bool, machinery: bool
 ) -> tuple:
     """Gathers and reductions of units sharded over ``size`` ranks: each
     unit gathered for its forward and again for its backward (the root
@@ -293,7 +293,9 @@ def _sharded_s(
 
 def _fsdp_s(step: _Step) -> float:
     """FSDP2 over the data-parallel ranks (``tp`` apart)."""
-    seconds, edges = _sharded_s(step, step.dp, step.tp, False, machinery=True)
+    seconds, edges = _sharded_s(
+        step, step.dp, step.tp, reduce_every=False, machinery=True
+    )
     return step.hidden(seconds, edges)
 
 
@@ -302,7 +304,7 @@ def _hsdp_s(step: _Step) -> float:
     unit's gradient shard all-reduced across the groups (``replicate``)."""
     shard = _degree(step.plan.shard_size)
     replicas = max(step.dp // shard, 1)
-    seconds, edges = _sharded_s(step, shard, 1, False, machinery=True)
+    seconds, edges = _sharded_s(step, shard, 1, reduce_every=False, machinery=True)
     nbytes = step.work.param_bytes / shard
     seconds += sum(
         all_reduce_s(step.cluster, u * nbytes, replicas, shard)
@@ -326,7 +328,9 @@ def _deepspeed_s(step: _Step) -> float:
     compute dtype."""
     stage, plan, work = _degree(step.plan.zero_stage), step.plan, step.work
     if stage >= 3:
-        seconds, edges = _sharded_s(step, step.dp, 1, True, machinery=False)
+        seconds, edges = _sharded_s(
+            step, step.dp, 1, reduce_every=True, machinery=False
+        )
         return step.hidden(seconds, edges)
     nbytes = work.flops.parameters * work.compute_param_bytes
     reduces = _buckets_s(step, nbytes) * (plan.accum_steps if stage == 2 else 1)
