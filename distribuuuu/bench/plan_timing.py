@@ -194,7 +194,7 @@ def measure_plan_timing(
             nprocs=ranks,
             start_method="spawn",
         )
-        per_rank = torch.load(out, weights_only=False)
+        per_rank = torch.load(out, weights_only=True)
     timed = range(warmup, warmup + rounds)
     first = per_rank[0][0]  # the first round's calibration: as at start-up
     rows = {}

@@ -84,7 +84,11 @@ def all_reduce_s(cluster: Cluster, nbytes: float, size: int, stride: int = 1) ->
 
 
 def gather_s(
-    cluster: Cluster, nbytes: float, size: int, stride: int = 1, scatter=False
+    cluster: Cluster,
+    nbytes: float,
+    size: int,
+    stride: int = 1,
+    scatter: bool = False,
 ) -> float:
     """An all-gather (a reduce-scatter with ``scatter``) whose whole tensor
     is ``nbytes``."""
