@@ -51,26 +51,27 @@ def _schedule_step(kind, module, *, rank: int, stages: int, micro: int, settings
     return lambda: schedule.step(*args, target=target)
 
 
-def _bubbles(module, *, rank: int, stages: int, micro: int, settings) -> list:
-    """Per schedule: the median over the repeats of the step's seconds and
-    of the share of them this rank's thread did not run (``1 - thread time
-    / wall time``)."""
+def _bubbles(
+    module, *, rank: int, stages: int, micro: int, transfer_s: float, settings
+) -> list:
+    """Per schedule: the median over the repeats of the step's seconds, of
+    the share of them this rank's thread did not run (``1 - thread time /
+    wall time``) and of that thread time; ``transfer_s``, one activation's
+    transfer priced on the link, goes with them for the prediction."""
     rows = []
     for name, kind in SCHEDULES.items():
         step = _schedule_step(
             kind, module, rank=rank, stages=stages, micro=micro, settings=settings
         )
         step()  # warm-up (the first step infers the shapes)
-        walls, idle, predicted = [], [], []
+        walls, idle, computing = [], [], []
         for _ in range(settings["repeats"]):
             wall, cpu = time.perf_counter(), time.thread_time()
             step()
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
             walls.append(wall)
             idle.append(max(0.0, 1 - cpu / wall))
-            slots = micro + stages - 1  # of the busiest stage: this one's
-            slot = cpu / micro + 2 * settings["transfer_s"][micro]
-            predicted.append(1 - cpu / (slots * slot))
+            computing.append(cpu)
         rows.append(
             {
                 "schedule": name,
@@ -78,7 +79,8 @@ def _bubbles(module, *, rank: int, stages: int, micro: int, settings) -> list:
                 "step_ms": 1e3 * statistics.median(walls),
                 "bubble": statistics.median(idle),
                 "ideal_bubble": bubble_fraction(stages, micro),
-                "predicted_bubble": statistics.median(predicted),
+                "compute_s": statistics.median(computing),
+                "transfer_s": transfer_s,
             }
         )
     return rows
@@ -93,15 +95,17 @@ def _rank_main(rank: int, stages: int, port: int, settings: dict, out: str) -> N
         module = _stage(settings["width"], settings["layers"])
         link = measure_link(torch.device("cpu"))
         assert link is not None  # a group of two ranks at least
-        activation = 4 * settings["width"] * settings["batch"]
-        settings["transfer_s"] = {
-            micro: link.seconds(activation / micro) for micro in settings["micro"]
-        }
+        activation = 4 * settings["width"] * settings["batch"]  # float32
         results = [
             row
             for micro in settings["micro"]
             for row in _bubbles(
-                module, rank=rank, stages=stages, micro=micro, settings=settings
+                module,
+                rank=rank,
+                stages=stages,
+                micro=micro,
+                transfer_s=link.seconds(activation / micro),
+                settings=settings,
             )
         ]
         gathered: list[list | None] = [None] * stages
@@ -120,11 +124,12 @@ def measure_bubble(
     batch: int = 512,
     repeats: int = 5,
 ) -> list[dict]:
-    """Per schedule and micro-batch count: the step time and bubble, each the
-    mean over the ranks, beside the ideal bubble and the planner's
-    prediction of the share of the step a stage does not compute (the
-    ideal bubble's slots, each with its two transfers priced on the
-    measured link, :func:`distribuuuu.plan.cost.pipeline_cost`'s model)."""
+    """Per schedule and micro-batch count: the step time and bubble, beside
+    the ideal bubble and the planner's prediction of the share of the step
+    a stage does not compute (the ideal bubble's slots, each with its two
+    transfers priced on the measured link, as
+    :func:`distribuuuu.plan.cost.pipeline_cost` prices them), each the mean
+    over the ranks."""
     settings = {"micro": micro, "width": width, "layers": layers}
     settings.update(batch=batch, repeats=repeats)
     with tempfile.TemporaryDirectory(prefix="distribuuuu-bubble-") as work:
@@ -141,13 +146,26 @@ def measure_bubble(
         same = [ranks[index] for ranks in per_rank]
         rows.append(
             {
-                **first,
+                "schedule": first["schedule"],
+                "micro_batches": first["micro_batches"],
+                "ideal_bubble": first["ideal_bubble"],
                 "step_ms": statistics.mean(r["step_ms"] for r in same),
                 "bubble": statistics.mean(r["bubble"] for r in same),
-                "predicted_bubble": max(r["predicted_bubble"] for r in same),
+                "predicted_bubble": _predicted_bubble(same, stages),
             }
         )
     return rows
+
+
+def _predicted_bubble(ranks: list[dict], stages: int) -> float:
+    """The share of a step the planner predicts a stage does not compute,
+    the mean over the ranks: the busiest rank's slot (its compute of one
+    micro-batch, and the two transfers of one) taken ``M + S - 1`` times
+    sets the step, as :func:`distribuuuu.plan.cost.pipeline_cost` has it."""
+    micro = ranks[0]["micro_batches"]
+    slot = max(r["compute_s"] / micro + 2 * r["transfer_s"] for r in ranks)
+    step = (micro + stages - 1) * slot
+    return statistics.mean(1 - r["compute_s"] / step for r in ranks)
 
 
 def format_bubble(rows: list[dict]) -> str:
